@@ -1,0 +1,171 @@
+"""Meshes and the one table that maps logical axes to mesh axes.
+
+Parameters and activations are annotated with *logical* axis names (`embed`,
+`heads`, `vocab`, ...). `RULES` is the only place that says which mesh axis
+(`data`, `fsdp`, `tensor`) each one lands on; nothing else names a mesh axis.
+
+    data   - pure data parallelism (parameters replicated)
+    fsdp   - data parallelism with parameters and optimizer state sharded
+    tensor - Megatron-style tensor parallelism over heads / mlp / vocab
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+MeshAxes = str | tuple[str, ...] | None
+
+# Logical axis -> mesh axis (or axes). `act_*` names are activations.
+RULES: Mapping[str, MeshAxes] = {
+    # parameters
+    "layers": None,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    # activations
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "cache_length": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_kv_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """A mesh plus the logical-axis table. Hashable, so it can be a static
+    argument of a jitted function or a Flax module attribute."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, MeshAxes], ...] = tuple(RULES.items())
+
+    def spec(self, logical: Sequence[str | None], name: str = "array") -> P:
+        return logical_to_spec(logical, dict(self.rules), name)
+
+    def named(self, logical: Sequence[str | None], name: str = "array") -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, name))
+
+    def constrain(self, x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        """`with_sharding_constraint` by logical names (a no-op on a 1-device mesh)."""
+        if self.mesh.size == 1:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.named(logical))
+
+    @property
+    def data_size(self) -> int:
+        """How many ways the batch axis is split."""
+        return axis_size(self.mesh, dict(self.rules)["batch"])
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+
+def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
+    if axes is None:
+        return 1
+    if isinstance(axes, str):
+        axes = (axes,)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def logical_to_spec(logical: Sequence[str | None], rules: Mapping[str, MeshAxes],
+                    name: str = "array") -> P:
+    """Map logical axis names to a PartitionSpec.
+
+    Raises ValueError when a name is unknown or when two logical axes of one
+    array land on the same mesh axis (which GSPMD cannot express).
+    """
+    out, used = [], {}
+    for ax in logical:
+        if ax is None:
+            out.append(None)
+            continue
+        if ax not in rules:
+            raise ValueError(f"{name}: logical axis {ax!r} is not in the sharding rules "
+                             f"({sorted(rules)}).")
+        mesh_axes = rules[ax]
+        for m in (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ()):
+            if m in used:
+                raise ValueError(f"{name}: logical axes {used[m]!r} and {ax!r} both map to mesh "
+                                 f"axis {m!r}; change one of them in the sharding rules.")
+            used[m] = ax
+        out.append(mesh_axes)
+    return P(*out)
+
+
+def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with explicit Auto axis types.
+
+    `shape` may contain one -1, filled with the remaining devices. Raises a
+    sentence naming both numbers if the mesh needs more devices than exist or
+    does not use them evenly.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = list(shape)
+    if len(shape) != 3:
+        raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor), got {shape}.")
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape} has more than one -1.")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if len(devices) % known:
+            raise ValueError(f"mesh shape {shape}: {len(devices)} devices are not divisible by "
+                             f"the fixed axes' product {known}.")
+        shape[shape.index(-1)] = len(devices) // known
+    if any(s <= 0 for s in shape):
+        raise ValueError(f"mesh shape {shape} has a non-positive axis size.")
+    need = math.prod(shape)
+    if need > len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {need} devices but only "
+                         f"{len(devices)} are available.")
+    if need < len(devices):
+        devices = devices[:need]
+    try:
+        from jax.experimental import mesh_utils
+        grid = mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # non-TPU topologies or odd device counts: plain order
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def check_divisible(name: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
+    """Raise a sentence naming the array, the dimension and both numbers when a
+    sharded dimension does not divide evenly."""
+    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+        n = axis_size(mesh, axes)
+        if size % n:
+            raise ValueError(
+                f"{name}: dimension {dim} has size {size}, which is not divisible by the "
+                f"{n} devices of mesh axes {axes!r}; change the mesh shape or the model size.")
+
+
+def tree_shardings(logical_tree: Any, shapes_tree: Any, sharding: Sharding) -> Any:
+    """NamedShardings for a pytree of logical-axis tuples, checking divisibility.
+
+    logical_tree: pytree whose leaves are tuples of logical names (or None).
+    shapes_tree: matching pytree of arrays / ShapeDtypeStructs.
+    """
+    is_leaf = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+    paths_shapes = dict(jax.tree_util.tree_flatten_with_path(shapes_tree)[0])
+
+    def one(path, logical):
+        name = jax.tree_util.keystr(path)
+        spec = sharding.spec(logical, name)
+        check_divisible(name, paths_shapes[path].shape, spec, sharding.mesh)
+        return NamedSharding(sharding.mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, logical_tree, is_leaf=is_leaf)
