@@ -1,0 +1,257 @@
+"""Foundation: HF parity, export round trip, KV cache, chunked log-probs, errors."""
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from erpo_jax.model import hf as hf_lib
+from erpo_jax.model import model as M
+from erpo_jax.model.config import ModelConfig, from_hf_config
+from erpo_jax.model.logprobs import token_logprobs
+from hf_models import KINDS, build_tiny_hf
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = build_tiny_hf(request.param, path)
+    cfg, params = hf_lib.load_hf(path)
+    return request.param, path, hf_model, cfg, params
+
+
+def _left_padded_batch(vocab, seed=0):
+    rng = np.random.RandomState(seed)
+    lengths = [5, 12, 9]
+    T = max(lengths)
+    toks = np.zeros((len(lengths), T), np.int64)
+    mask = np.zeros((len(lengths), T), np.int64)
+    for i, n in enumerate(lengths):
+        toks[i, T - n:] = rng.randint(1, vocab, n)
+        mask[i, T - n:] = 1
+    return toks, mask
+
+
+def _hf_logits(hf_model, toks, mask):
+    with torch.no_grad():
+        pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
+        return hf_model(input_ids=torch.tensor(toks), attention_mask=torch.tensor(mask),
+                        position_ids=torch.tensor(pos)).logits.numpy()
+
+
+def test_logits_match_transformers(tiny):
+    kind, _, hf_model, cfg, params = tiny
+    assert cfg.family == kind
+    toks, mask = _left_padded_batch(cfg.vocab_size)
+    ours, _ = M.forward(params, cfg, jnp.asarray(toks), attn_mask=jnp.asarray(mask))
+    diff = np.abs(np.asarray(ours) - _hf_logits(hf_model, toks, mask))[mask.astype(bool)]
+    assert diff.max() <= 1e-4, (kind, diff.max())
+
+
+def _greedy_with_cache(params, cfg, toks, mask, n_new):
+    B, T = toks.shape
+    cache = M.init_cache(cfg, B, T + n_new)
+    step = jax.jit(lambda p, t, pos, m, c: M.forward(p, cfg, t, pos, m, c))
+    pos = M.positions_from_mask(jnp.asarray(mask))
+    logits, cache = step(params, jnp.asarray(toks), pos, jnp.asarray(mask), cache)
+    last_pos = pos[:, -1:]
+    out = []
+    nxt = jnp.argmax(logits[:, -1], -1)[:, None]
+    for _ in range(n_new):
+        out.append(np.asarray(nxt[:, 0]))
+        last_pos = last_pos + 1
+        logits, cache = step(params, nxt, last_pos, jnp.ones_like(nxt), cache)
+        nxt = jnp.argmax(logits[:, -1], -1)[:, None]
+    return np.stack(out, 1)
+
+
+def test_greedy_tokens_match_transformers(tiny):
+    kind, _, hf_model, cfg, params = tiny
+    toks, mask = _left_padded_batch(cfg.vocab_size, seed=1)
+    ours = _greedy_with_cache(params, cfg, toks, mask, 16)
+    with torch.no_grad():
+        ref = hf_model.generate(input_ids=torch.tensor(toks), attention_mask=torch.tensor(mask),
+                                max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                pad_token_id=0, eos_token_id=None).numpy()[:, toks.shape[1]:]
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_cached_decode_equals_full_forward(tiny):
+    _, _, _, cfg, params = tiny
+    toks, mask = _left_padded_batch(cfg.vocab_size, seed=2)
+    B, T = toks.shape
+    full, _ = M.forward(params, cfg, jnp.asarray(toks), attn_mask=jnp.asarray(mask))
+    pos = M.positions_from_mask(jnp.asarray(mask))
+    cache = M.init_cache(cfg, B, T + 3)
+    split = 6
+    parts = []
+    l, cache = M.forward(params, cfg, jnp.asarray(toks[:, :split]), pos[:, :split],
+                         jnp.asarray(mask[:, :split]), cache)
+    parts.append(l)
+    for t in range(split, T):
+        l, cache = M.forward(params, cfg, jnp.asarray(toks[:, t:t + 1]), pos[:, t:t + 1],
+                             jnp.asarray(mask[:, t:t + 1]), cache)
+        parts.append(l)
+    cached = np.concatenate([np.asarray(p) for p in parts], 1)
+    m = mask.astype(bool)
+    assert np.abs(cached - np.asarray(full))[m].max() <= 1e-5
+    assert int(cache.index) == T
+
+
+def test_export_round_trip(tiny, tmp_path):
+    kind, path, hf_model, cfg, params = tiny
+    out = hf_lib.export_hf(params, cfg, tmp_path / "export")
+    # HF -> ours -> HF: byte-identical tensors.
+    src = hf_lib.open_safetensors(path)
+    dst = hf_lib.open_safetensors(out)
+    assert set(src) == set(dst)
+    for name in src:
+        a, b = src[name][name], dst[name][name]
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert a.tobytes() == b.tobytes(), name
+    # ours -> HF directory -> transformers loads it -> same logits.
+    import transformers as tf
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    toks, mask = _left_padded_batch(cfg.vocab_size, seed=3)
+    ours, _ = M.forward(params, cfg, jnp.asarray(toks), attn_mask=jnp.asarray(mask))
+    diff = np.abs(np.asarray(ours) - _hf_logits(reloaded, toks, mask))[mask.astype(bool)]
+    assert diff.max() <= 1e-4
+
+
+def test_export_generated_config_and_sharded_files(tmp_path):
+    cfg = ModelConfig(family="llama", tie_word_embeddings=False)
+    params = M.init_params(cfg, jax.random.key(3))
+    out = hf_lib.export_hf(params, cfg, tmp_path / "ours", max_shard_bytes=200_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    cfg2, params2 = hf_lib.load_hf(out)
+    assert cfg2 == cfg
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, params2)
+
+
+def test_token_logprobs_chunked_equals_unchunked():
+    cfg = ModelConfig(vocab_size=512)
+    params = M.init_params(cfg, jax.random.key(0))
+    toks = jax.random.randint(jax.random.key(1), (3, 41), 0, cfg.vocab_size)
+    mask = jnp.ones_like(toks).at[0, :7].set(0)
+    full = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=None)
+    chunked = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=16)
+    for a, b in zip(full, chunked):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+    # The values are the log-softmax of the full logits.
+    logits, _ = M.forward(params, cfg, toks, attn_mask=mask)
+    ref = jax.nn.log_softmax(logits[:, :-1] / 0.8)
+    ref = jnp.take_along_axis(ref, toks[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(chunked.logp), np.asarray(ref), atol=1e-5)
+    ref1 = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), toks[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(chunked.logp_t1), np.asarray(ref1), atol=1e-5)
+
+
+def test_token_logprobs_chunked_never_builds_full_logits():
+    cfg = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+    params = M.abstract_params(cfg)
+    toks = jax.ShapeDtypeStruct((2, 257), jnp.int32)
+    fn = lambda p, t: token_logprobs(p, cfg, t, chunk_size=32).logp.sum()
+    hlo = jax.jit(jax.grad(fn)).lower(params, toks).as_text()
+    assert "2,256,4096" not in hlo and "2x256x4096" not in hlo
+    assert "2,32,4096" in hlo or "2x32x4096" in hlo
+
+
+def test_bfloat16_policy_keeps_logits_float32():
+    cfg = ModelConfig(param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
+    params = M.init_params(cfg, jax.random.key(0))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(params))
+    toks = jnp.ones((2, 8), jnp.int32)
+    logits, _ = M.forward(params, cfg, toks)
+    assert logits.dtype == jnp.float32
+    out = token_logprobs(params, cfg, toks, chunk_size=4)
+    assert out.logp.dtype == jnp.float32 and bool(jnp.isfinite(out.logp).all())
+    g = jax.grad(lambda p: token_logprobs(p, cfg, toks, chunk_size=4).logp.sum())(params)
+    assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in jax.tree_util.tree_leaves(g))
+
+
+def test_legacy_config_keys():
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+          "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "rope_theta": 1234.0, "torch_dtype": "bfloat16",
+          "rope_scaling": {"type": "llama3", "factor": 2.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+    cfg = from_hf_config(hf)
+    assert cfg.rope_theta == 1234.0 and cfg.rope_scaling.kind == "llama3"
+    assert cfg.rope_scaling.factor == 2.0 and cfg.param_dtype == "bfloat16"
+    assert cfg.num_kv_heads == 2 and cfg.head_dim == 8 and not cfg.qkv_bias
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _copy_checkpoint(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupted_safetensors_is_a_clear_error(tiny, tmp_path):
+    _, path, _, _, _ = tiny
+    bad = _copy_checkpoint(path, tmp_path / "bad")
+    f = bad / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])  # truncated download
+    with pytest.raises(ValueError, match=r"model\.safetensors.*(corrupted|truncated)"):
+        hf_lib.load_hf(bad)
+    f.write_bytes(struct.pack("<Q", 10**12) + data[8:])  # absurd header length
+    with pytest.raises(ValueError, match="header length"):
+        hf_lib.load_hf(bad)
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    _, path, _, _, _ = tiny
+    from erpo_jax.model.safetensors_io import SafetensorsFile, save_file
+    bad = _copy_checkpoint(path, tmp_path / "missing")
+    f = SafetensorsFile(bad / "model.safetensors")
+    tensors = {k: np.array(f[k]) for k in f.keys() if k != "model.layers.1.mlp.up_proj.weight"}
+    del f
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        hf_lib.load_hf(bad)
+
+
+def test_unknown_architecture_and_unmapped_key(tiny, tmp_path):
+    _, path, _, _, _ = tiny
+    bad = _copy_checkpoint(path, tmp_path / "arch")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["MambaForCausalLM"], "mamba"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Unknown architecture.*Mamba"):
+        hf_lib.load_hf(bad)
+    from erpo_jax.model.safetensors_io import SafetensorsFile, save_file
+    extra = _copy_checkpoint(path, tmp_path / "extra")
+    f = SafetensorsFile(extra / "model.safetensors")
+    tensors = {k: np.array(f[k]) for k in f.keys()}
+    tensors["model.layers.0.mlp.router.weight"] = np.zeros((2, 2), np.float32)
+    del f
+    save_file(tensors, extra / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.router\.weight' matches no"):
+        hf_lib.load_hf(extra)
+
+
+def test_shape_mismatch_is_named(tiny, tmp_path):
+    _, path, _, _, _ = tiny
+    bad = _copy_checkpoint(path, tmp_path / "shape")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 100
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"mlp\.(gate|up|down)_proj\.weight' has shape .*does not fit"):
+        hf_lib.load_hf(bad)
+
+
+def test_pickle_checkpoints_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    with pytest.raises(ValueError, match="pickle checkpoints are never loaded"):
+        hf_lib.open_safetensors(tmp_path)
