@@ -16,7 +16,7 @@ def _benchmarks_dir() -> Path:
 
 
 ROOT = _benchmarks_dir()
-pytestmark = pytest.mark.skipif(
+needs_data = pytest.mark.skipif(
     not ROOT.is_dir(), reason=f"benchmarks not found at {ROOT}; set {bm.BENCHMARKS_DIR_ENV}"
 )
 
@@ -35,6 +35,7 @@ def loaded():
     return bm.load_all_benchmarks(ROOT)
 
 
+@needs_data
 def test_published_row_counts_and_every_row_has_gold(loaded):
     assert set(loaded) == set(PUBLISHED_ROWS)
     for name, want in PUBLISHED_ROWS.items():
@@ -51,6 +52,7 @@ def _raw_rows(name):
         return [json.loads(line) for line in f if line.strip()]
 
 
+@needs_data
 def test_spot_checked_golds(loaded):
     gsm = loaded["gsm8k"].problems
     assert gsm[0].answer == "18" and gsm[0].question.startswith("Janet")
@@ -68,6 +70,7 @@ def test_spot_checked_golds(loaded):
     assert all("$" not in p.answer.replace(r"\$", "") for p in ob)
 
 
+@needs_data
 def test_golds_agree_with_a_second_reading_of_the_raw_rows(loaded):
     # math500 stores the gold twice: last \boxed{} and after "The answer is: ".
     for p, row in zip(loaded["math500"].problems, _raw_rows("math500")):
@@ -118,6 +121,7 @@ def test_bad_row_error_names_file_and_line(tmp_path):
         bm.load_jsonl(path, "q", "a", bm.gsm8k_gold)
 
 
+@needs_data
 def test_missing_paths_and_names_give_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         bm.load_benchmark("gsm8k", tmp_path)

@@ -199,6 +199,15 @@ def test_batch_mixed_reasons_and_duplicates(pool):
     assert pool.verify_batch([]) [1] == []
 
 
+def test_pool_works_off_the_main_thread(pool):
+    # The reason the pool exists: math-verify's signal.alarm fails off the main thread.
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=pool.verify_batch([(r"\boxed{0.5}", r"\frac12")])))
+    t.start()
+    t.join(timeout=10)
+    assert result["r"][1] == ["correct"]
+
+
 def test_count_reasons():
     m = count_reasons(["correct", "wrong", "correct", "timeout"])
     assert m["reward/n"] == 4 and m["reward/correct"] == 2 and m["reward/correct_frac"] == 0.5

@@ -210,6 +210,7 @@ class MathVerifyPool:
         self._workers: list[_Worker] = []
         self._closed = False
         self.restarts = 0  # workers killed or replaced after dying; for metrics
+        self._startup_deaths = 0
         self._finalizer = weakref.finalize(self, _shutdown_workers, self._workers)
         for _ in range(num_workers):
             self._workers.append(self._start_worker())
@@ -323,6 +324,13 @@ class MathVerifyPool:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
+                    if w.state == "starting":
+                        self._startup_deaths += 1
+                        if self._startup_deaths > 3 * self.num_workers:
+                            raise RuntimeError(
+                                "math-verify workers keep dying while starting; check that "
+                                "`python -c 'import math_verify'` works in this environment"
+                            ) from None
                     if w.state == "busy":
                         log.warning("math-verify worker died while verifying %r", keys[w.task])
                         out[w.task] = ERROR
@@ -333,6 +341,7 @@ class MathVerifyPool:
                     if msg[0] != "ready":
                         raise RuntimeError(f"math-verify worker failed to start:\n{msg[1]}")
                     w.state = "idle"
+                    self._startup_deaths = 0
                     continue
                 t, reason, detail = msg
                 if reason == ERROR:
