@@ -1,0 +1,425 @@
+"""Rollouts: prefill each prompt once, then sample G continuations of it.
+
+Shapes: B prompts, G samples per prompt, R = B * G rows (prompt-major: row
+r = b * G + g), P prompt bucket length, N max new tokens, V vocab, S = P + N - 1
+cache slots (the last sampled token is never fed back).
+
+One jitted function (`make_sample_fn`) does everything on device:
+
+1. prefill the B left-padded prompts in one forward pass into a KV cache;
+2. repeat the cache and the last-position logits to R rows, so the G samples
+   of a prompt share its prefill;
+3. sample token 0 from those logits, then a `lax.while_loop` of one-token
+   decode steps that stops when every row has emitted an EOS id or N tokens
+   exist.
+
+The log-probability convention. `Rollout.logp[r, t]` is log softmax(logits /
+temperature)[token], i.e. under the temperature-scaled distribution BEFORE
+top-k / top-p truncation and before the min-new-tokens EOS mask, never
+renormalised over the kept set. That is exactly what a teacher-forced
+recompute `token_logprobs(params, cfg, tokens, mask, temperature=T)` returns,
+so the PPO/GRPO ratio is exactly 1 at the first update on fresh samples. With
+`greedy=True` the token is the argmax and its logp is still under
+softmax(logits / temperature).
+
+Randomness. The key of row r at decode step t is fold_in(fold_in(rng, r), t),
+so a row's samples depend only on (rng, global row index, step): sampling G
+per prompt equals sampling each prompt repeated G times, and the result does
+not depend on the mesh. For RL step s pass `rollout_key(seed_key, s)`.
+
+Compilation. The jitted function is specialised on (B, P) and the static
+configs; `Sampler` buckets P to powers of two and pads B to a multiple of the
+data-parallel size, so an RL run compiles a handful of shapes.
+
+Donation. The KV cache is created, grown and dropped inside the one jitted
+call: the while_loop carries it, so XLA updates it in place and it never
+crosses the jit boundary; there is no argument left worth donating (the
+prompts are a few KB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from erpo_jax.model import model as model_lib
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.sharding import Sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample. Hashable: it is a static argument of the jitted sampler.
+
+    Attributes:
+      max_new_tokens: N, the static response length (rows stop early at EOS).
+      num_samples: G, samples per prompt (they share the prompt's prefill).
+      temperature: divides the logits; > 0.
+      top_p: nucleus mass in (0, 1]; 1 = off.
+      top_k: keep the k most likely tokens; 0 = off.
+      greedy: take the argmax (top_p / top_k / rng are then irrelevant).
+      eos_ids: a row is done after emitting any of these (the EOS is kept in
+        the response and in its mask).
+      min_new_tokens: EOS ids are masked out of the first this-many tokens.
+      pad_id: fills prompt padding (left) and response padding (right).
+      max_prompt_len: longest accepted prompt; the top length bucket.
+      min_bucket: shortest prompt bucket.
+    """
+
+    max_new_tokens: int = 32
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    eos_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+    pad_id: int = 0
+    max_prompt_len: int = 512
+    min_bucket: int = 8
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.num_samples < 1:
+            raise ValueError(f"SamplingConfig.num_samples must be >= 1, got {self.num_samples}.")
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingConfig.temperature must be > 0, got {self.temperature}; "
+                             "use greedy=True for argmax decoding.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k must be >= 0 (0 = off), got {self.top_k}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"SamplingConfig.min_new_tokens ({self.min_new_tokens}) must be in "
+                             f"[0, max_new_tokens={self.max_new_tokens}].")
+        if self.max_prompt_len < 1 or self.min_bucket < 1:
+            raise ValueError("SamplingConfig.max_prompt_len and min_bucket must be >= 1, got "
+                             f"{self.max_prompt_len} and {self.min_bucket}.")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Raise a sentence when a token id or the total length does not fit the model."""
+        for name, ids in (("eos_ids", self.eos_ids), ("pad_id", (self.pad_id,))):
+            bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingConfig.{name} {bad} outside the vocabulary "
+                                 f"[0, {cfg.vocab_size}).")
+        if self.top_k > cfg.vocab_size:
+            raise ValueError(f"SamplingConfig.top_k ({self.top_k}) exceeds the vocabulary "
+                             f"size {cfg.vocab_size}.")
+        total = self.max_prompt_len + self.max_new_tokens
+        if total > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_prompt_len + max_new_tokens = {total} exceeds the model's "
+                f"max_position_embeddings ({cfg.max_position_embeddings}); shorten one of them.")
+
+
+class Rollout(NamedTuple):
+    """B x G sampled sequences (R = B * G rows, prompt-major).
+
+    prompt_tokens: int32[R, P] left-padded with pad_id.
+    prompt_mask: bool[R, P], True on real prompt tokens.
+    response_tokens: int32[R, N] right-padded with pad_id after the EOS.
+    response_mask: bool[R, N], True on sampled tokens (EOS included).
+    logp: float32[R, N], log-prob of each sampled token under softmax(logits /
+      temperature), before top-k/top-p (see the module docstring); 0 on padding.
+    lengths: int32[R], number of response tokens (= response_mask.sum(-1)).
+    truncated: bool[R], True when the row hit max_new_tokens without an EOS.
+    num_steps: int32[], tokens sampled per row before the loop stopped (<= N).
+    """
+
+    prompt_tokens: Any
+    prompt_mask: Any
+    response_tokens: Any
+    response_mask: Any
+    logp: Any
+    lengths: Any
+    truncated: Any
+    num_steps: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerState:
+    """The while_loop carry.
+
+    tokens: int32[R, N] response so far; logps: float32[R, N];
+    cache: KVCache over R rows and S slots; positions: int32[R] RoPE position
+    of the next sampled token; done: bool[R]; lengths: int32[R];
+    step: int32[] tokens sampled so far; rng: key[R], one key per row.
+    """
+
+    tokens: jax.Array
+    logps: jax.Array
+    cache: model_lib.KVCache
+    positions: jax.Array
+    done: jax.Array
+    lengths: jax.Array
+    step: jax.Array
+    rng: jax.Array
+
+
+def rollout_key(seed_key: jax.Array, rl_step: int | jax.Array) -> jax.Array:
+    """The sampling key of RL step `rl_step`: fold_in(seed_key, rl_step)."""
+    return jax.random.fold_in(seed_key, rl_step)
+
+
+def truncate_logits(z: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Set logits outside the top-k, then outside the top-p nucleus, to -inf.
+
+    z: float32[R, V] (already temperature-scaled). top-p is measured on the
+    distribution left after top-k (renormalised), as transformers does. The
+    most likely token is always kept. Ties at the threshold are all kept.
+    """
+    if top_k:
+        desc = jax.lax.top_k(z, top_k)[0]                      # [R, k], descending
+        z = jnp.where(z < desc[:, -1:], -jnp.inf, z)
+    if top_p < 1.0:
+        if not top_k:
+            desc = -jnp.sort(-z, axis=-1)                      # [R, V], descending
+        probs = jax.nn.softmax(desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)   # >= 1
+        threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)
+        z = jnp.where(z < threshold, -jnp.inf, z)
+    return z
+
+
+def _choose(logits: jax.Array, keys: jax.Array, step: jax.Array, sc: SamplingConfig):
+    """Sampled tokens int32[R] and their logp float32[R] from logits float32[R, V]."""
+    z = logits.astype(jnp.float32) / sc.temperature
+    logprobs = jax.nn.log_softmax(z, axis=-1)
+    if sc.eos_ids and sc.min_new_tokens:
+        is_eos = jnp.zeros(z.shape[-1], bool).at[jnp.array(sc.eos_ids)].set(True)
+        z = jnp.where(is_eos & (step < sc.min_new_tokens), -jnp.inf, z)
+    if sc.greedy:
+        tok = jnp.argmax(z, axis=-1)
+    else:
+        z = truncate_logits(z, sc.top_k, sc.top_p)
+        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+        tok = jax.vmap(jax.random.categorical)(step_keys, z)
+    tok = tok.astype(jnp.int32)
+    return tok, jnp.take_along_axis(logprobs, tok[:, None], axis=-1)[:, 0]
+
+
+def _record(state: SamplerState, logits: jax.Array, sc: SamplingConfig) -> SamplerState:
+    """Sample token `state.step` for every row not yet done, and advance."""
+    tok, logp = _choose(logits, state.rng, state.step, sc)
+    live = ~state.done
+    tok = jnp.where(live, tok, sc.pad_id)
+    logp = jnp.where(live, logp, 0.0)
+    if sc.eos_ids:
+        hit = jnp.isin(tok, jnp.array(sc.eos_ids, jnp.int32))
+    else:
+        hit = jnp.zeros_like(live)
+    at = (0, state.step)
+    return dataclasses.replace(
+        state,
+        tokens=jax.lax.dynamic_update_slice(state.tokens, tok[:, None], at),
+        logps=jax.lax.dynamic_update_slice(state.logps, logp[:, None], at),
+        done=state.done | (live & hit),
+        lengths=state.lengths + live.astype(jnp.int32),
+        step=state.step + 1,
+    )
+
+
+def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array, *,
+                   cfg: ModelConfig, sc: SamplingConfig,
+                   sharding: Sharding | None = None) -> Rollout:
+    """Sample G continuations of each of B left-padded prompts (traceable; see
+    `make_sample_fn` for the jitted version).
+
+    prompt_tokens: int32[B, P]; prompt_mask: bool[B, P], True on real tokens,
+    each row left-padded with at least one real token; rng: a PRNG key.
+    Returns a Rollout over R = B * G rows.
+    """
+    B, P = prompt_tokens.shape
+    G, N = sc.num_samples, sc.max_new_tokens
+    R, S = B * G, P + N - 1
+    if sharding is not None and B % sharding.data_size:
+        raise ValueError(f"sample_rollout: {B} prompts are not divisible by the data-parallel "
+                         f"size {sharding.data_size}; pad the batch (Sampler does).")
+    constrain = (lambda x, axes: sharding.constrain(x, axes)) if sharding else (lambda x, axes: x)
+    prompt_mask = prompt_mask.astype(bool)
+
+    # Prefill the B prompts once; only the last position's logits are needed.
+    cache = model_lib.init_cache(cfg, B, S)
+    h, cache = model_lib.hidden_states(params, cfg, prompt_tokens,
+                                       model_lib.positions_from_mask(prompt_mask), prompt_mask,
+                                       cache=cache, sharding=sharding)
+    logits = model_lib.head_logits(params, cfg, h[:, -1], sharding)        # [B, V]
+
+    # Share the prefill: row b * G + g continues prompt b.
+    rep = lambda x, axis: jnp.repeat(x, G, axis=axis) if G > 1 else x
+    cache = model_lib.KVCache(
+        constrain(rep(cache.k, 1), ("layers", "batch", "cache_length", "act_kv_heads", None)),
+        constrain(rep(cache.v, 1), ("layers", "batch", "cache_length", "act_kv_heads", None)),
+        constrain(rep(cache.valid, 0), ("batch", "cache_length")),
+        cache.index)
+    logits = constrain(rep(logits, 0), ("batch", None))
+    row_mask = rep(prompt_mask, 0)
+    rows = constrain(jnp.arange(R, dtype=jnp.int32), ("batch",))
+
+    state = SamplerState(
+        tokens=constrain(jnp.full((R, N), sc.pad_id, jnp.int32), ("batch", None)),
+        logps=constrain(jnp.zeros((R, N), jnp.float32), ("batch", None)),
+        cache=cache,
+        positions=jnp.sum(row_mask, axis=-1, dtype=jnp.int32),
+        done=jnp.zeros((R,), bool),
+        lengths=jnp.zeros((R,), jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.vmap(jax.random.fold_in, (None, 0))(rng, rows),
+    )
+    state = _record(state, logits, sc)
+
+    def cond(s: SamplerState):
+        return (s.step < N) & ~jnp.all(s.done)
+
+    def body(s: SamplerState):
+        last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)     # [R, 1]
+        logits, cache = model_lib.forward(params, cfg, last, s.positions[:, None],
+                                          jnp.ones_like(last, bool), cache=s.cache,
+                                          sharding=sharding)
+        s = dataclasses.replace(s, cache=cache, positions=s.positions + 1)
+        return _record(s, logits[:, 0], sc)
+
+    state = jax.lax.while_loop(cond, body, state)
+
+    response_mask = jnp.arange(N)[None, :] < state.lengths[:, None]
+    return Rollout(
+        prompt_tokens=rep(prompt_tokens.astype(jnp.int32), 0),
+        prompt_mask=row_mask,
+        response_tokens=state.tokens,
+        response_mask=response_mask,
+        logp=state.logps,
+        lengths=state.lengths,
+        truncated=~state.done,
+        num_steps=state.step,
+    )
+
+
+def rollout_shardings(sharding: Sharding) -> Rollout:
+    """NamedShardings of a Rollout: rows over the data axes, num_steps replicated."""
+    rows2, rows1 = sharding.named(("batch", None)), sharding.named(("batch",))
+    return Rollout(rows2, rows2, rows2, rows2, rows2, rows1, rows1, sharding.replicated())
+
+
+def make_sample_fn(cfg: ModelConfig, sc: SamplingConfig, sharding: Sharding | None = None,
+                   on_trace=None):
+    """The jitted sampler: fn(params, prompt_tokens int32[B, P], prompt_mask
+    bool[B, P], rng) -> Rollout over B * G rows (see `sample_rollout`).
+
+    Parameters are used where they are (no host round trip); with `sharding`
+    the outputs are sharded over the data axes. `on_trace()` is called each
+    time the function is traced, for recompilation guards.
+    """
+    sc.check_model(cfg)
+
+    def fn(params, prompt_tokens, prompt_mask, rng):
+        if on_trace is not None:
+            on_trace()
+        return sample_rollout(params, prompt_tokens, prompt_mask, rng, cfg=cfg, sc=sc,
+                              sharding=sharding)
+
+    if sharding is None:
+        return jax.jit(fn)
+    return jax.jit(fn, out_shardings=rollout_shardings(sharding))
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def bucket_length(n: int, min_bucket: int, max_len: int) -> int:
+    """The padded prompt length for a longest prompt of n tokens: the next power
+    of two, at least min_bucket, at most max_len."""
+    b = max(min_bucket, 1 << max(0, int(n) - 1).bit_length())
+    return min(b, max_len)
+
+
+class Sampler:
+    """Host-side entry point: validates token-id prompts, pads them to a length
+    bucket, runs the jitted sampler and returns numpy arrays.
+
+    sampler = Sampler(cfg, SamplingConfig(max_new_tokens=256, num_samples=8,
+                                          eos_ids=(eos,)), sharding)
+    out = sampler(params, [[1, 2, 3], [4, 5]], rollout_key(seed_key, step))
+    out.response_tokens  # int32[2 * 8, 256]
+
+    `num_traces` counts how often the jitted function was traced.
+    """
+
+    def __init__(self, cfg: ModelConfig, sampling: SamplingConfig,
+                 sharding: Sharding | None = None):
+        self.cfg, self.sampling, self.sharding = cfg, sampling, sharding
+        self.num_traces = 0
+        self._fn = make_sample_fn(cfg, sampling, sharding, on_trace=self._count_trace)
+
+    def _count_trace(self):
+        self.num_traces += 1
+
+    def prepare(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, int]:
+        """Validate and left-pad: (tokens int32[B', P], mask bool[B', P], B).
+
+        B' >= B is B rounded up to the data-parallel size (extra rows repeat
+        the last prompt and are dropped from the result). Raises ValueError
+        naming the offending prompt's index.
+        """
+        sc, V = self.sampling, self.cfg.vocab_size
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)
+        if prompts is None or len(prompts) == 0:
+            raise ValueError("Sampler: the prompt list is empty; pass at least one prompt.")
+        arrays = []
+        for i, p in enumerate(prompts):
+            a = np.asarray(p)
+            if a.ndim != 1:
+                raise ValueError(f"Sampler: prompt {i} must be a flat list of token ids, "
+                                 f"got shape {a.shape}.")
+            if a.size == 0:
+                raise ValueError(f"Sampler: prompt {i} is empty; every prompt needs at least "
+                                 "one token.")
+            if not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"Sampler: prompt {i} has dtype {a.dtype}; token ids must be "
+                                 "integers.")
+            if a.size > sc.max_prompt_len:
+                raise ValueError(f"Sampler: prompt {i} has {a.size} tokens, more than "
+                                 f"max_prompt_len={sc.max_prompt_len}.")
+            if a.min() < 0 or a.max() >= V:
+                raise ValueError(f"Sampler: prompt {i} holds token id {int(a.min() if a.min() < 0 else a.max())} "
+                                 f"outside the vocabulary [0, {V}).")
+            arrays.append(a.astype(np.int32))
+        B = len(arrays)
+        dp = self.sharding.data_size if self.sharding is not None else 1
+        Bp = -(-B // dp) * dp
+        P = bucket_length(max(a.size for a in arrays), sc.min_bucket, sc.max_prompt_len)
+        tokens = np.full((Bp, P), sc.pad_id, np.int32)
+        mask = np.zeros((Bp, P), bool)
+        for i in range(Bp):
+            a = arrays[min(i, B - 1)]
+            tokens[i, P - a.size:] = a
+            mask[i, P - a.size:] = True
+        return tokens, mask, B
+
+    def run(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array) -> tuple[Rollout, int]:
+        """(Rollout of device arrays over B' * G rows, number of real rows B * G).
+
+        For a training step that consumes the rollout on device: rows past the
+        real count are padding to the data-parallel size.
+        """
+        tokens, mask, B = self.prepare(prompts)
+        if self.sharding is not None:
+            rows = self.sharding.named(("batch", None))
+            tokens, mask = jax.device_put(tokens, rows), jax.device_put(mask, rows)
+        return self._fn(params, tokens, mask, rng), B * self.sampling.num_samples
+
+    def __call__(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array) -> Rollout:
+        """Rollout of numpy arrays over exactly len(prompts) * G rows."""
+        out, n = self.run(params, prompts, rng)
+        out = jax.device_get(out)
+        return Rollout(*(np.asarray(a)[:n] if np.ndim(a) else np.asarray(a) for a in out))

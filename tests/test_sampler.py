@@ -1,0 +1,424 @@
+"""Sampler: parity with transformers' greedy generate, log-probs that match the
+teacher-forced recompute, the sampling distribution itself, prefix sharing,
+sharding invariance, truncation sets, stop flags, bucketing and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from erpo_jax.model import model as model_lib
+from erpo_jax.model.config import ModelConfig, from_hf_config
+from erpo_jax.model.logprobs import token_logprobs
+from erpo_jax.model.sharding import Sharding, make_mesh
+from erpo_jax.rollout.decode import decode_responses, response_lengths, truncate_responses
+from erpo_jax.rollout.sampler import (Sampler, SamplingConfig, bucket_length, rollout_key,
+                                      truncate_logits)
+
+CFG = ModelConfig()  # the tiny preset: vocab 256, 2 layers
+SEED = jax.random.key(1234)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model_lib.init_params(CFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def sharp_params(params):
+    """A peaked next-token distribution (a few dozen likely tokens), so that a
+    change of temperature is clearly visible in sampled frequencies."""
+    return {**params, "lm_head": params["lm_head"] * 12.0}
+
+
+def _prompts(rng: np.random.Generator, lengths, vocab=CFG.vocab_size):
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def _full_sequences(out):
+    """Prompt + response as one left-padded batch: tokens, mask [R, P + N]."""
+    tokens = np.concatenate([out.prompt_tokens, out.response_tokens], axis=1)
+    mask = np.concatenate([out.prompt_mask, out.response_mask], axis=1)
+    return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def _hf_model(kind: str):
+    import torch
+    import transformers as tf
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, initializer_range=0.1)
+    if kind == "qwen2":      # q/k/v bias, tied embeddings
+        conf, cls = tf.Qwen2Config(**common, tie_word_embeddings=True,
+                                   use_sliding_window=False), tf.Qwen2ForCausalLM
+    elif kind == "llama":    # untied head, no bias
+        conf, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
+    else:                    # per-head q/k RMSNorm
+        conf, cls = tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False), \
+            tf.Qwen3ForCausalLM
+    torch.manual_seed(7)
+    model = cls(conf).float().eval()
+    with torch.no_grad():    # norms and biases start at 1 / 0; move them so they matter
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def _params_from_hf(model, cfg: ModelConfig):
+    """transformers state_dict -> our parameter pytree (shapes checked against init)."""
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    L, D, H, N, K = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def stack(name, f=lambda w: w):
+        return jnp.asarray(np.stack([f(sd[f"model.layers.{i}.{name}"]) for i in range(L)]))
+
+    attn = {
+        "q_proj": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(D, H, K)),
+        "k_proj": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(D, N, K)),
+        "v_proj": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(D, N, K)),
+        "o_proj": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(H, K, D)),
+    }
+    if cfg.qkv_bias:
+        attn["q_bias"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(H, K))
+        attn["k_bias"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(N, K))
+        attn["v_bias"] = stack("self_attn.v_proj.bias", lambda b: b.reshape(N, K))
+    if cfg.qk_norm:
+        attn["q_norm"] = {"scale": stack("self_attn.q_norm.weight")}
+        attn["k_norm"] = {"scale": stack("self_attn.k_norm.weight")}
+    out = {
+        "embed": jnp.asarray(sd["model.embed_tokens.weight"]),
+        "final_norm": {"scale": jnp.asarray(sd["model.norm.weight"])},
+        "layers": {
+            "attn": attn,
+            "input_norm": {"scale": stack("input_layernorm.weight")},
+            "post_attn_norm": {"scale": stack("post_attention_layernorm.weight")},
+            "mlp": {"gate_proj": stack("mlp.gate_proj.weight", lambda w: w.T),
+                    "up_proj": stack("mlp.up_proj.weight", lambda w: w.T),
+                    "down_proj": stack("mlp.down_proj.weight", lambda w: w.T)},
+        },
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = jnp.asarray(sd["lm_head.weight"].T)
+    expected = model_lib.abstract_params(cfg)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(expected)
+    jax.tree_util.tree_map(lambda a, e: np.testing.assert_equal(a.shape, e.shape), out, expected)
+    return out
+
+
+def _hf_greedy(model, prompts, n_new, pad_id, eos_id):
+    import torch
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = torch.tensor(p)
+        mask[i, T - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new,
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
+    gen = out[:, T:].numpy()
+    return np.pad(gen, ((0, 0), (0, n_new - gen.shape[1])), constant_values=pad_id)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+def test_greedy_matches_transformers_generate(kind):
+    pytest.importorskip("torch")
+    model = _hf_model(kind)
+    cfg = from_hf_config(model.config.to_dict())
+    assert cfg.family == kind
+    params = _params_from_hf(model, cfg)
+    prompts = _prompts(np.random.default_rng(3), (5, 11, 2, 8), cfg.vocab_size)
+    n_new, pad = 32, 0
+    # An EOS id that greedy decoding does emit mid-way through one row (and
+    # never earlier in that row), so that stopping and padding are compared too.
+    free = _hf_greedy(model, prompts, n_new, pad, eos_id=None)
+    row = free[1]
+    eos = next(int(t) for i, t in enumerate(row) if i >= 5 and t not in row[:i])
+    ref = _hf_greedy(model, prompts, n_new, pad, eos_id=eos)
+
+    sampler = Sampler(cfg, SamplingConfig(max_new_tokens=n_new, greedy=True, eos_ids=(eos,),
+                                          pad_id=pad, max_prompt_len=32))
+    out = sampler(params, prompts, SEED)
+    np.testing.assert_array_equal(out.response_tokens, ref)
+    stopped = np.isin(ref, [eos]).any(axis=1)
+    assert stopped[1] and np.array_equal(out.truncated, ~stopped)
+
+
+# ----------------------------------------------------------------------------- shared samples
+
+MAIN = SamplingConfig(max_new_tokens=10, num_samples=4, temperature=0.8, top_p=0.8,
+                      eos_ids=(9,), max_prompt_len=16)
+
+
+@jax.jit
+def _forward_logits(params, tokens, mask):
+    return model_lib.forward(params, CFG, tokens, attn_mask=mask)[0]
+
+
+@pytest.fixture(scope="module")
+def main_sampler():
+    return Sampler(CFG, MAIN)
+
+
+@pytest.fixture(scope="module")
+def main_prompts():
+    return _prompts(np.random.default_rng(2), (6, 3, 8))
+
+
+@pytest.fixture(scope="module")
+def main_out(main_sampler, sharp_params, main_prompts):
+    return main_sampler(sharp_params, main_prompts, SEED)
+
+
+def test_logp_equals_teacher_forced_recompute(sharp_params, main_out):
+    tokens, mask = _full_sequences(main_out)
+    P, N = main_out.prompt_tokens.shape[1], MAIN.max_new_tokens
+    recompute = jax.jit(token_logprobs, static_argnums=(1,),
+                        static_argnames=("temperature", "chunk_size"))
+    ref = recompute(sharp_params, CFG, tokens, mask, temperature=MAIN.temperature, chunk_size=None)
+    ref = np.asarray(ref.logp)[:, P - 1:P - 1 + N]
+    m = main_out.response_mask
+    assert m.sum() > 20
+    np.testing.assert_allclose(main_out.logp[m], ref[m], atol=1e-5, rtol=0)
+    assert np.all(main_out.logp[~m] == 0.0)
+    # The recompute at temperature 1 disagrees: the comparison has teeth.
+    other = recompute(sharp_params, CFG, tokens, mask, temperature=1.0, chunk_size=None).logp
+    assert np.abs(np.asarray(other)[:, P - 1:P - 1 + N][m] - main_out.logp[m]).max() > 1e-2
+
+
+def _check_kept(params, out, sc: SamplingConfig):
+    """Every sampled token lies in the top-k / top-p set of its own step's
+    logits, recomputed teacher-forced."""
+    tokens, mask = _full_sequences(out)
+    P, N = out.prompt_tokens.shape[1], sc.max_new_tokens
+    z = np.asarray(_forward_logits(params, tokens, mask), np.float64)
+    z = z[:, P - 1:P - 1 + N] / sc.temperature                          # [R, N, V]
+    m, tok = out.response_mask, out.response_tokens
+    order = np.argsort(-z, axis=-1)
+    rank = np.argmax(order == tok[..., None], axis=-1)
+    if sc.top_k:
+        assert rank[m].max() < sc.top_k
+    if sc.top_p < 1:
+        desc = np.take_along_axis(z, order, axis=-1)
+        if sc.top_k:
+            desc = desc[..., :sc.top_k]
+        p = np.exp(desc - desc[..., :1])
+        p /= p.sum(-1, keepdims=True)
+        mass_before = np.take_along_axis(np.cumsum(p, -1) - p, rank[..., None], -1)[..., 0]
+        assert mass_before[m].max() < sc.top_p + 1e-5
+        # ... and the bound is not vacuous: some step had tokens cut off.
+        assert (p.shape[-1] - (np.cumsum(p, -1) - p < sc.top_p).sum(-1))[m].max() > 0
+    assert len(np.unique(tok[:, 0])) > 1                               # really sampling
+
+
+def test_top_p_only_emits_the_nucleus(sharp_params, main_out):
+    _check_kept(sharp_params, main_out, MAIN)
+
+
+def test_top_k_and_top_p_only_emit_kept_tokens(sharp_params):
+    sc = dataclasses.replace(MAIN, top_k=5, top_p=0.6, temperature=1.0, eos_ids=())
+    out = Sampler(CFG, sc)(sharp_params, _prompts(np.random.default_rng(1), (4, 7)), SEED)
+    _check_kept(sharp_params, out, sc)
+
+
+def test_truncate_logits_keeps_the_nucleus():
+    z = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+    kept = np.isfinite(np.asarray(truncate_logits(z, 0, 0.75)))
+    np.testing.assert_array_equal(kept, [[1, 1, 0, 0], [0, 0, 1, 1]])
+    kept = np.isfinite(np.asarray(truncate_logits(z, 3, 0.9)))   # 0.5/0.95, 0.8/0.95 < 0.9
+    np.testing.assert_array_equal(kept, [[1, 1, 1, 0], [0, 1, 1, 1]])
+    kept = np.isfinite(np.asarray(truncate_logits(z, 2, 1.0)))
+    np.testing.assert_array_equal(kept, [[1, 1, 0, 0], [0, 0, 1, 1]])
+    kept = np.isfinite(np.asarray(truncate_logits(z, 0, 0.01)))  # the argmax always survives
+    np.testing.assert_array_equal(kept.sum(-1), [1, 1])
+
+
+# ----------------------------------------------------------------------------- distribution
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square goodness of fit, pooling cells with expected count < 5."""
+    from scipy import stats
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    stat = np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep])
+    return float(stats.chi2.sf(stat, df=keep.sum() - 1))
+
+
+def _softmax(z):
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+DIST_PROMPT = [11, 42, 7, 99, 3]
+
+
+@pytest.fixture(scope="module")
+def dist_logits(sharp_params):
+    return np.asarray(_forward_logits(sharp_params, jnp.asarray([DIST_PROMPT]),
+                                      jnp.ones((1, 5), bool))[0, -1], np.float64)
+
+
+def test_sampled_frequencies_match_tempered_softmax(sharp_params, dist_logits):
+    sc = SamplingConfig(max_new_tokens=1, num_samples=4096, temperature=0.8, max_prompt_len=8)
+    out = Sampler(CFG, sc)(sharp_params, [DIST_PROMPT], SEED)
+    counts = np.bincount(out.response_tokens[:, 0], minlength=CFG.vocab_size)
+    assert (_softmax(dist_logits / 0.8) > 0.01).sum() >= 5   # a spread, not a near-argmax
+    assert _chi2_pvalue(counts, _softmax(dist_logits / 0.8)) > 1e-3
+    # The same test rejects nearby wrong temperatures overwhelmingly.
+    for wrong in (0.65, 1.0):
+        assert _chi2_pvalue(counts, _softmax(dist_logits / wrong)) < 1e-8
+    # Without EOS ids every row runs to max_new_tokens and is truncated.
+    assert out.truncated.all() and (out.lengths == 1).all() and int(out.num_steps) == 1
+
+
+def test_topk_frequencies_match_renormalised_topk(sharp_params, dist_logits):
+    k, temp = 4, 0.8
+    sc = SamplingConfig(max_new_tokens=1, num_samples=4096, temperature=temp, top_k=k,
+                        max_prompt_len=8)
+    out = Sampler(CFG, sc)(sharp_params, [DIST_PROMPT], SEED)
+    z = dist_logits / temp
+    top = np.argsort(-z)[:k]
+    probs = np.zeros_like(z)
+    probs[top] = _softmax(z[top])
+    counts = np.bincount(out.response_tokens[:, 0], minlength=CFG.vocab_size)
+    assert set(np.flatnonzero(counts)) <= set(top)
+    assert _chi2_pvalue(counts, probs) > 1e-3
+    # logp is that of the untruncated tempered distribution, not renormalised.
+    full = np.log(_softmax(z))
+    np.testing.assert_allclose(out.logp[:, 0], full[out.response_tokens[:, 0]], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def test_prefix_sharing_equals_repeated_prompts(sharp_params, main_prompts, main_out):
+    G = MAIN.num_samples
+    repeated = Sampler(CFG, dataclasses.replace(MAIN, num_samples=1))(
+        sharp_params, [p for p in main_prompts for _ in range(G)], SEED)
+    np.testing.assert_array_equal(main_out.response_tokens, repeated.response_tokens)
+    for a, b in zip(main_out, repeated):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    # The G samples of one prompt differ from each other.
+    assert len({tuple(r) for r in main_out.response_tokens[:G]}) == G
+
+
+def test_sharded_equals_unsharded(sharp_params, main_prompts, main_out):
+    sharding = Sharding(make_mesh((2, 2, 2)))
+    assert sharding.data_size == 4
+    params = jax.device_put(sharp_params, model_lib.param_shardings(CFG, sharding))
+    sampler = Sampler(CFG, MAIN, sharding)
+    device_out, n_real = sampler.run(params, main_prompts, SEED)    # 3 prompts, padded to 4
+    assert n_real == 12 and device_out.response_tokens.shape[0] == 16
+    assert device_out.response_tokens.sharding.spec[0] == ("data", "fsdp")
+    multi = sampler(params, main_prompts, SEED)
+    np.testing.assert_array_equal(multi.response_tokens, main_out.response_tokens)
+    np.testing.assert_array_equal(multi.lengths, main_out.lengths)
+    np.testing.assert_allclose(multi.logp, main_out.logp, atol=1e-5)
+
+
+def test_seeding_and_no_recompile(main_sampler, sharp_params, main_prompts, main_out):
+    again = main_sampler(sharp_params, main_prompts, SEED)
+    np.testing.assert_array_equal(again.response_tokens, main_out.response_tokens)
+    other = main_sampler(sharp_params, main_prompts, rollout_key(SEED, 1))
+    assert (other.response_tokens != main_out.response_tokens).mean() > 0.3
+    # New prompts of the same lengths bucket and count: no new trace.
+    main_sampler(sharp_params, _prompts(np.random.default_rng(8), (2, 8, 5)), SEED)
+    assert main_sampler.num_traces == 1
+    out = main_sampler(sharp_params, _prompts(np.random.default_rng(8), (9, 16, 1)), SEED)
+    assert out.prompt_tokens.shape == (12, 16) and main_sampler.num_traces == 2
+    assert [bucket_length(n, 8, 32) for n in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+    assert bucket_length(40, 8, 48) == 48
+
+
+def test_prompt_padding_layout(main_out, main_prompts):
+    G = MAIN.num_samples
+    P = main_out.prompt_tokens.shape[1]
+    for b, p in enumerate(main_prompts):
+        for g in range(G):
+            row = main_out.prompt_tokens[b * G + g]
+            np.testing.assert_array_equal(row[P - len(p):], p)
+            assert np.all(row[:P - len(p)] == MAIN.pad_id)
+            assert main_out.prompt_mask[b * G + g].sum() == len(p)
+
+
+@pytest.mark.parametrize("min_new", [0, 3])
+def test_eos_min_new_tokens_and_flags(params, min_new):
+    eos = tuple(range(2, CFG.vocab_size, 3))        # a third of the vocabulary
+    N, pad = 12, 1
+    sc = SamplingConfig(max_new_tokens=N, num_samples=16, eos_ids=eos, min_new_tokens=min_new,
+                        pad_id=pad, max_prompt_len=8)
+    out = Sampler(CFG, sc)(params, _prompts(np.random.default_rng(6), (3, 7)), SEED)
+    tok, mask = out.response_tokens, out.response_mask
+    is_eos = np.isin(tok, eos) & mask
+    has_eos = is_eos.any(1)
+    first = np.where(has_eos, is_eos.argmax(1), N)
+    np.testing.assert_array_equal(out.lengths, np.minimum(first + 1, N))
+    np.testing.assert_array_equal(mask, np.arange(N)[None] < out.lengths[:, None])
+    np.testing.assert_array_equal(out.truncated, ~has_eos)
+    assert np.all(tok[~mask] == pad)
+    assert is_eos.sum(1).max() <= 1                # nothing is sampled after the EOS
+    assert not np.isin(tok[:, :min_new], eos).any()
+    assert out.lengths.min() == min_new + 1         # the first step an EOS is allowed
+    if not out.truncated.any():                     # the loop stopped when all rows were done
+        assert int(out.num_steps) == out.lengths.max() < N
+
+
+def test_errors(params):
+    sampler = Sampler(CFG, SamplingConfig(max_new_tokens=4, max_prompt_len=8))
+    with pytest.raises(ValueError, match="prompt list is empty"):
+        sampler(params, [], SEED)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        sampler(params, [[1, 2], []], SEED)
+    with pytest.raises(ValueError, match="prompt 2 has 9 tokens.*max_prompt_len=8"):
+        sampler(params, [[1], [2, 3], list(range(1, 10))], SEED)
+    with pytest.raises(ValueError, match="prompt 0 holds token id 256"):
+        sampler(params, [[1, 256]], SEED)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingConfig(max_new_tokens=4, min_new_tokens=5)
+    with pytest.raises(ValueError, match="eos_ids"):
+        Sampler(CFG, SamplingConfig(eos_ids=(300,), max_prompt_len=8))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Sampler(CFG, SamplingConfig(max_new_tokens=100, max_prompt_len=4096))
+    assert sampler.num_traces == 0
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def test_decode_stops_at_first_eos():
+    ids = np.array([[5, 6, 2, 7, 2], [5, 5, 5, 5, 5], [2, 6, 6, 6, 6], [6, 3, 0, 0, 0]])
+    mask = np.array([[1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], bool)
+    table = [chr(ord("a") + i) for i in range(8)]
+    np.testing.assert_array_equal(response_lengths(ids, [2, 3]), [2, 5, 0, 1])
+    np.testing.assert_array_equal(response_lengths(ids, [2], include_eos=True), [3, 5, 1, 5])
+    np.testing.assert_array_equal(response_lengths(ids, [], mask), [3, 5, 1, 2])
+    assert decode_responses(ids, [2, 3], token_strings=table) == ["fg", "fffff", "", "g"]
+    assert decode_responses(ids, [2], token_strings=table, mask=mask) == ["fg", "fffff", "", "gd"]
+    assert [r.tolist() for r in truncate_responses(ids, [2], include_eos=True)][:2] == \
+        [[5, 6, 2], [5, 5, 5, 5, 5]]
+
+    class Tok:
+        def batch_decode(self, rows, skip_special_tokens=False):
+            return ["|".join(map(str, r)) + ("!" if skip_special_tokens else "") for r in rows]
+
+    assert decode_responses(ids, [2], tokenizer=Tok(), skip_special_tokens=True) == \
+        ["5|6!", "5|5|5|5|5!", "!", "6|3|0|0|0!"]
+    with pytest.raises(ValueError, match="exactly one"):
+        decode_responses(ids, [2])
