@@ -266,6 +266,25 @@ def _as_text(v: Any) -> str:
     return v.decode("utf-8") if isinstance(v, bytes) else str(v)
 
 
+# TFDS writes a split's records in the order of md5(split name + key) of the
+# keys its builder yielded (unless the dataset disables shuffling); that order
+# is part of a TFDS dataset version (see tensorflow_datasets/core/hashing.py).
+# The gsm8k builder keys each example by its 0-based line in the published
+# JSONL, so the line of record j is the j-th key in hash order. Versions listed
+# here are known to key by line number.
+_GSM8K_TFDS_LINE_KEYED_VERSIONS = frozenset({"1.0.0"})
+
+
+def _tfds_record_lines(n: int, split: str, disable_shuffling: bool) -> list[int]:
+    """Line number (the builder's key) of each of a split's ``n`` records."""
+    if disable_shuffling:
+        return list(range(n))
+    from tensorflow_datasets.core import hashing
+
+    hasher = hashing.Hasher(split)
+    return sorted(range(n), key=hasher.hash_key)
+
+
 def load_gsm8k_tfds(
     data_dir: str | os.PathLike, split: str = "test", *, skip_bad_rows: bool = False
 ) -> LoadResult:
@@ -274,7 +293,18 @@ def load_gsm8k_tfds(
     Reads with `tfds.data_source` (random access, no TensorFlow). Never
     downloads: raises FileNotFoundError saying where it looked and how to
     prepare the data when it is absent.
+
+    Problems come back in the published line order with ids ``gsm8k/<line>``,
+    the same as `load_benchmark('gsm8k', ...)` gives for the same file: TFDS
+    stores records shuffled by a hash of each example's key (its line), and
+    this undoes that shuffle. `split` is a plain split name ("test",
+    "train"); slice the returned list instead of passing "test[:10]".
     """
+    if not split or any(c in split for c in "[]+%"):
+        raise ValueError(
+            f"split must be a plain split name such as 'test', got {split!r}; "
+            "slice the returned problems instead"
+        )
     data_dir = Path(data_dir)
     found = sorted((data_dir / "gsm8k").glob("*/dataset_info.json"))
     if not found:
@@ -288,18 +318,47 @@ def load_gsm8k_tfds(
     import tensorflow_datasets as tfds
     import tensorflow_datasets.text  # noqa: F401  (registers the gsm8k builder)
 
+    version = str(tfds.builder_cls("gsm8k").VERSION)
+    info_path = data_dir / "gsm8k" / version / "dataset_info.json"
+    if not info_path.is_file():
+        raise FileNotFoundError(
+            f"TFDS here reads GSM8K version {version}, but {data_dir / 'gsm8k'} holds "
+            f"only {[p.parent.name for p in found]}; prepare version {version} with "
+            f"`tfds build gsm8k --data_dir {data_dir} --file_format array_record`"
+        )
+    file_format = json.loads(info_path.read_text(encoding="utf-8")).get("fileFormat", "tfrecord")
+    if file_format != "array_record":
+        raise ValueError(
+            f"{info_path.parent} was prepared as {file_format!r}, which needs TensorFlow to "
+            "read; rebuild it with `tfds build gsm8k --data_dir DIR --file_format "
+            "array_record` (TFDS's default is tfrecord)"
+        )
+    if version not in _GSM8K_TFDS_LINE_KEYED_VERSIONS:
+        raise ValueError(
+            f"GSM8K TFDS version {version} is not known to key examples by line number, "
+            "so its record order cannot be mapped back to the published lines"
+        )
+
     source = tfds.data_source("gsm8k", split=split, data_dir=os.fspath(data_dir), download=False)
+    lines = _tfds_record_lines(len(source), split, bool(source.dataset_info.disable_shuffling))
+    record_of_line = sorted(range(len(lines)), key=lines.__getitem__)
     problems: list[Problem] = []
     skipped = 0
-    for i in range(len(source)):
+    for line in range(len(record_of_line)):
+        i = record_of_line[line]
         row: Mapping[str, Any] = source[i]
         try:
             question = _as_text(row["question"])
+            if not question.strip():
+                raise ValueError("empty question")
             answer = gsm8k_gold(_as_text(row["answer"]))
         except (KeyError, ValueError) as e:
             if skip_bad_rows:
                 skipped += 1
                 continue
-            raise BadRowError(f"gsm8k {split} (TFDS, {data_dir}) record {i}: {e!r}") from e
-        problems.append(Problem(f"gsm8k/{i}", question, answer, "gsm8k"))
+            raise BadRowError(
+                f"gsm8k {split} (TFDS, {data_dir}) record {i} (line {line}): {e!r}; "
+                "load with skip_bad_rows=True to skip it"
+            ) from e
+        problems.append(Problem(f"gsm8k/{line}", question, answer, "gsm8k"))
     return LoadResult(problems, skipped)
