@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 
 from erpo_jax.model import model as model_lib
-from erpo_jax.model.config import ModelConfig, from_hf_config
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.hf import load_hf
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding, make_mesh
 from erpo_jax.rollout.decode import decode_responses, response_lengths, truncate_responses
 from erpo_jax.rollout.sampler import (Sampler, SamplingConfig, bucket_length, rollout_key,
                                       truncate_logits)
+from hf_models import build_tiny_hf
 
 CFG = ModelConfig()  # the tiny preset: vocab 256, 2 layers
 SEED = jax.random.key(1234)
@@ -49,70 +51,6 @@ def _full_sequences(out):
 # ----------------------------------------------------------------------------- transformers
 
 
-def _hf_model(kind: str):
-    import torch
-    import transformers as tf
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, initializer_range=0.1)
-    if kind == "qwen2":      # q/k/v bias, tied embeddings
-        conf, cls = tf.Qwen2Config(**common, tie_word_embeddings=True,
-                                   use_sliding_window=False), tf.Qwen2ForCausalLM
-    elif kind == "llama":    # untied head, no bias
-        conf, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
-    else:                    # per-head q/k RMSNorm
-        conf, cls = tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False), \
-            tf.Qwen3ForCausalLM
-    torch.manual_seed(7)
-    model = cls(conf).float().eval()
-    with torch.no_grad():    # norms and biases start at 1 / 0; move them so they matter
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.2 * torch.randn_like(p))
-    return model
-
-
-def _params_from_hf(model, cfg: ModelConfig):
-    """transformers state_dict -> our parameter pytree (shapes checked against init)."""
-    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    L, D, H, N, K = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def stack(name, f=lambda w: w):
-        return jnp.asarray(np.stack([f(sd[f"model.layers.{i}.{name}"]) for i in range(L)]))
-
-    attn = {
-        "q_proj": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(D, H, K)),
-        "k_proj": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(D, N, K)),
-        "v_proj": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(D, N, K)),
-        "o_proj": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(H, K, D)),
-    }
-    if cfg.qkv_bias:
-        attn["q_bias"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(H, K))
-        attn["k_bias"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(N, K))
-        attn["v_bias"] = stack("self_attn.v_proj.bias", lambda b: b.reshape(N, K))
-    if cfg.qk_norm:
-        attn["q_norm"] = {"scale": stack("self_attn.q_norm.weight")}
-        attn["k_norm"] = {"scale": stack("self_attn.k_norm.weight")}
-    out = {
-        "embed": jnp.asarray(sd["model.embed_tokens.weight"]),
-        "final_norm": {"scale": jnp.asarray(sd["model.norm.weight"])},
-        "layers": {
-            "attn": attn,
-            "input_norm": {"scale": stack("input_layernorm.weight")},
-            "post_attn_norm": {"scale": stack("post_attention_layernorm.weight")},
-            "mlp": {"gate_proj": stack("mlp.gate_proj.weight", lambda w: w.T),
-                    "up_proj": stack("mlp.up_proj.weight", lambda w: w.T),
-                    "down_proj": stack("mlp.down_proj.weight", lambda w: w.T)},
-        },
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = jnp.asarray(sd["lm_head.weight"].T)
-    expected = model_lib.abstract_params(cfg)
-    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(expected)
-    jax.tree_util.tree_map(lambda a, e: np.testing.assert_equal(a.shape, e.shape), out, expected)
-    return out
-
-
 def _hf_greedy(model, prompts, n_new, pad_id, eos_id):
     import torch
     T = max(len(p) for p in prompts)
@@ -129,19 +67,23 @@ def _hf_greedy(model, prompts, n_new, pad_id, eos_id):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
-def test_greedy_matches_transformers_generate(kind):
-    pytest.importorskip("torch")
-    model = _hf_model(kind)
-    cfg = from_hf_config(model.config.to_dict())
+def test_greedy_matches_transformers_generate(kind, tmp_path):
+    torch = pytest.importorskip("torch")
+    model = build_tiny_hf(kind, tmp_path)
+    with torch.no_grad():  # larger weights: varied continuations, no near-ties in the argmax
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.mul_(4.0)
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    cfg, params = load_hf(tmp_path)
     assert cfg.family == kind
-    params = _params_from_hf(model, cfg)
     prompts = _prompts(np.random.default_rng(3), (5, 11, 2, 8), cfg.vocab_size)
     n_new, pad = 32, 0
-    # An EOS id that greedy decoding does emit mid-way through one row (and
-    # never earlier in that row), so that stopping and padding are compared too.
+    # An EOS id that greedy decoding emits mid-way through a row, and not
+    # earlier in that row, so that stopping and padding are compared too.
     free = _hf_greedy(model, prompts, n_new, pad, eos_id=None)
-    row = free[1]
-    eos = next(int(t) for i, t in enumerate(row) if i >= 5 and t not in row[:i])
+    row, eos = next((r, int(t)) for r in range(len(prompts))
+                    for i, t in enumerate(free[r]) if i >= 4 and t not in free[r, :i])
     ref = _hf_greedy(model, prompts, n_new, pad, eos_id=eos)
 
     sampler = Sampler(cfg, SamplingConfig(max_new_tokens=n_new, greedy=True, eos_ids=(eos,),
@@ -149,7 +91,7 @@ def test_greedy_matches_transformers_generate(kind):
     out = sampler(params, prompts, SEED)
     np.testing.assert_array_equal(out.response_tokens, ref)
     stopped = np.isin(ref, [eos]).any(axis=1)
-    assert stopped[1] and np.array_equal(out.truncated, ~stopped)
+    assert stopped[row] and np.array_equal(out.truncated, ~stopped)
 
 
 # ----------------------------------------------------------------------------- shared samples
