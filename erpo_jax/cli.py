@@ -1,9 +1,71 @@
-"""The `erpo` command line: one entry point, one subcommand per job."""
+"""The `erpo` command line: one entry point, one subcommand per job.
+
+    erpo sft    --config experiments/sft_arith.py [section.field=value ...]
+    erpo train  --config experiments/main_comparison.py loss.beta_query=0.1
+    erpo eval   --config FILE [--checkpoint DIR]
+    erpo inspect-grads [--unit] ...
+    erpo demo   (the embedded CPU demo: SFT, then RL three ways, then a summary)
+
+Every config field can be overridden with `section.field=value`; invalid
+values fail before anything compiles, with a sentence naming the field.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+
+def _load(args):
+    from erpo_jax.train.config import load_config
+    return load_config(args.config, args.overrides, cpu=args.cpu)
+
+
+def _sft(args) -> int:
+    from erpo_jax.train.sft import run_sft
+    out = run_sft(_load(args))
+    print(json.dumps({"model_dir": out["model_dir"], "eval": out["eval"]["average"]}, indent=2))
+    return 0
+
+
+def _train(args) -> int:
+    from erpo_jax.train.loop import train
+    out = train(_load(args))
+    summary = {"status": out["status"], "step": out["step"]}
+    if out.get("eval"):
+        summary["eval"] = out["eval"]["average"]
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _eval(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    import jax
+
+    from erpo_jax.model.sharding import Sharding, make_mesh
+    from erpo_jax.train.evaluate import Evaluator, write_eval
+    from erpo_jax.train.policy import load_policy
+    from erpo_jax.train.tasks import load_task
+    cfg = _load(args)
+    if args.checkpoint:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="hf",
+                                                                 path=args.checkpoint))
+    sharding = Sharding(make_mesh(cfg.mesh.shape))
+    model_cfg, params, tok = load_policy(cfg, sharding)
+    task = load_task(cfg, tok)
+    try:
+        res = Evaluator(model_cfg, task, cfg, sharding).evaluate(
+            params, jax.random.key(cfg.train.seed), 0)
+    finally:
+        task.close()
+    out = Path(args.out or cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_eval(out, res)
+    print(json.dumps({"sets": res["sets"], "average": res["average"]}, indent=2))
+    return 0
 
 
 def _demo(args) -> int:
@@ -11,18 +73,46 @@ def _demo(args) -> int:
     return run_demo(args)
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="experiment file (.py with get_config) or .json")
+    p.add_argument("--cpu", action="store_true", help="use the file's get_cpu_config()")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="erpo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="erpo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the embedded CPU demo (no download)")
-    demo.add_argument("--out", default="runs/demo", help="output directory")
-    demo.set_defaults(func=_demo)
+    p = sub.add_parser("sft", help="supervised fine-tuning (the warm start / reference model)")
+    _config_args(p)
+    p.set_defaults(func=_sft)
+    p = sub.add_parser("train", help="RL training (GRPO / PPO / REINFORCE, with ERPO)")
+    _config_args(p)
+    p.set_defaults(func=_train)
+    p = sub.add_parser("eval", help="greedy pass@1 and sampled pass@k on the evaluation sets")
+    _config_args(p)
+    p.add_argument("--checkpoint", default=None, help="an HF-format model directory to evaluate")
+    p.add_argument("--out", default=None, help="where to write the results")
+    p.set_defaults(func=_eval)
+    from erpo_jax.rl.grad_flow import add_parser as add_inspect
+    add_inspect(sub)
+    p = sub.add_parser("demo", help="the embedded CPU demo (no download)")
+    p.add_argument("--out", default="runs/demo", help="output directory")
+    p.add_argument("--quick", action="store_true", help="a minimal run for smoke tests")
+    p.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        result = args.func(args)
+        return result if isinstance(result, int) else 0
+    except ValueError as e:
+        if "config field" in str(e):
+            print(f"erpo {args.command}: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def test_export_round_trip(tiny, tmp_path):
 
 
 def test_export_generated_config_and_sharded_files(tmp_path):
-    cfg = ModelConfig(family="llama", tie_word_embeddings=False)
+    cfg = ModelConfig(family="llama", qk_norm=False, tie_word_embeddings=False)
     params = M.init_params(cfg, jax.random.key(3))
     out = hf_lib.export_hf(params, cfg, tmp_path / "ours", max_shard_bytes=200_000)
     assert (out / "model.safetensors.index.json").is_file()

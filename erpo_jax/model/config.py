@@ -61,7 +61,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = True
     family: str = "qwen3"
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -86,6 +86,14 @@ class ModelConfig:
                     f"ModelConfig.{name} is {getattr(self, name)!r}; use one of {sorted(_DTYPES)}.")
         if self.family not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"ModelConfig.family is {self.family!r}; use 'llama', 'qwen2' or 'qwen3'.")
+        if self.family == "qwen3" and not self.qk_norm:
+            raise ValueError("ModelConfig.qk_norm must be True for family 'qwen3' (Qwen3 "
+                             "normalises q and k per head); use family 'llama' without it.")
+        if self.family == "qwen2" and not self.qkv_bias:
+            raise ValueError("ModelConfig.qkv_bias must be True for family 'qwen2'.")
+        if self.family in ("llama", "qwen2") and self.qk_norm:
+            raise ValueError(f"ModelConfig.qk_norm is only for family 'qwen3', not "
+                             f"{self.family!r}.")
         if self.rope_scaling.kind not in ("default", "linear", "llama3"):
             raise ValueError(
                 f"RoPE scaling {self.rope_scaling.kind!r} is not supported; "
@@ -189,6 +197,10 @@ def from_hf_config(hf: dict[str, Any], **overrides) -> ModelConfig:
 PRESETS = {
     # Tiny shapes for tests and the embedded CPU task.
     "tiny": ModelConfig(),
+    # The embedded arithmetic task's model (character vocabulary padded to 64).
+    "arith-small": ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=384,
+                               num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                               max_position_embeddings=128),
     # About 25M parameters: the medium benchmark model.
     "medium-25m": ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
                               num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64),
@@ -196,13 +208,13 @@ PRESETS = {
     "qwen2.5-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                                 num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
                                 rope_theta=1000000.0, tie_word_embeddings=True, qkv_bias=True,
-                                family="qwen2", max_position_embeddings=32768),
+                                family="qwen2", qk_norm=False, max_position_embeddings=32768),
     "qwen2.5-math-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                                      num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
                                      rope_theta=10000.0, tie_word_embeddings=True, qkv_bias=True,
-                                     family="qwen2", max_position_embeddings=4096),
+                                     family="qwen2", qk_norm=False, max_position_embeddings=4096),
     "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                               num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                              rope_theta=1000000.0, qkv_bias=True, family="qwen2",
+                              rope_theta=1000000.0, qkv_bias=True, family="qwen2", qk_norm=False,
                               max_position_embeddings=32768),
 }

@@ -303,8 +303,9 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
         "rope_parameters": rope, "dtype": cfg.param_dtype,
     }
-    if cfg.family == "llama":
+    if cfg.family in ("llama", "qwen3"):
         d["attention_bias"] = cfg.qkv_bias
+    if cfg.family == "llama":
         d["mlp_bias"] = False
     if cfg.family == "qwen2":
         d["use_sliding_window"] = False

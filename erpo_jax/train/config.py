@@ -1,0 +1,333 @@
+"""Typed, validated run configuration, dotted overrides, and config files.
+
+An experiment is one Python file defining `get_config() -> RunConfig` (and,
+optionally, `get_cpu_config()`); its docstring holds the command that runs it.
+Any field can be overridden from the command line with a dotted path:
+
+    erpo train --config experiments/main_comparison.py rollout.temperature=1.2 loss.beta_query=0.1
+
+`validate()` checks everything that can be checked before anything compiles
+and raises a sentence naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from erpo_jax.rl.loss import LossConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Where the policy comes from.
+
+    init: 'sft' (the checkpoint `erpo sft` wrote to `path`, the embedded task's
+      default), 'hf' (a local Hugging Face directory at `path`) or 'random'
+      (a random model of `preset`, for smoke tests).
+    """
+
+    init: str = "sft"
+    path: str = "runs/sft-arith"
+    preset: str = "arith-small"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: bool = False
+    logprob_chunk: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """The training queries and the evaluation sets.
+
+    task: 'arithmetic' (the embedded task, no download) or 'jsonl' (a math
+      training file `train_file` with `question_field`/`answer_field`,
+      evaluated on `eval_benchmarks` read from `benchmarks_dir`).
+    """
+
+    task: str = "arithmetic"
+    seed: int = 0
+    n_train: int = 4000
+    n_test: int = 100
+    train_file: str = ""
+    question_field: str = "question"
+    answer_field: str = "answer"
+    benchmarks_dir: str = "../shared/data/benchmarks"
+    eval_benchmarks: tuple[str, ...] = ()
+    template: str = "plain"
+    instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
+    max_prompt_len: int = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 48
+    min_new_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoSection:
+    """Advantage estimator and the per-query weights.
+
+    advantage: 'grpo', 'dr_grpo', 'rloo', 'reinforce', 'reinforce_pp' or 'gae'
+      (PPO with a learned critic).
+    weight_scheme: 'uniform', 'likelihood' or 'typicality' (method page).
+    """
+
+    advantage: str = "grpo"
+    adv_eps: float = 1e-6
+    gamma: float = 1.0
+    lam: float = 0.95
+    critic_lr: float = 1e-4
+    value_clip: float = 0.2
+    weight_scheme: str = "uniform"
+    weight_tau: float = 1.0
+    weight_min: float = 0.25
+    weight_max: float = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    schedule: str = "constant"  # or 'cosine'
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    max_grad_norm: float = 1.0
+    epochs: int = 1  # passes over each rollout (PPO-style reuse)
+    num_minibatches: int = 1  # optimizer steps per epoch
+    micro_batches: int = 1  # gradient-accumulation micro-batches per mini-batch
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    steps: int = 40
+    batch_size: int = 16  # queries per RL step (B); rows are B * group_size
+    seed: int = 0
+    out_dir: str = "runs/train"
+    log_every: int = 1
+    eval_every: int = 20
+    eval_n: int = 1  # samples per problem for pass@k (k <= n); 1 = greedy only
+    eval_temperature: float = 1.0
+    eval_k: tuple[int, ...] = (1,)
+    eval_max_problems: int = 100
+    drift_every: int = 5
+    drift_queries: int = 64
+    policy_kl_metric: bool = False  # also log response Policy-KL every drift_every steps
+    ckpt_every: int = 20
+    keep_checkpoints: int = 2
+    max_nonfinite: int = 3
+    samples_per_eval: int = 4
+    progress: bool = True
+    ref_cache_dir: str = ""  # default: <out_dir>/../.refcache (shared by sibling runs)
+    ref_batch_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    shape: tuple[int, int, int] = (-1, 1, 1)  # data, fsdp, tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    rollout: RolloutSection = RolloutSection()
+    algo: AlgoSection = AlgoSection()
+    loss: LossConfig = LossConfig()
+    optim: OptimSection = OptimSection()
+    train: TrainSection = TrainSection()
+    mesh: MeshSection = MeshSection()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _fail(field: str, msg: str):
+    raise ValueError(f"config field {field}: {msg}")
+
+
+def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
+    """Raise ValueError naming the field for anything wrong; returns cfg."""
+    from erpo_jax.rl.advantages import ESTIMATORS
+    from erpo_jax.rl.weights import SCHEMES
+    m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.train
+    if m.init not in ("sft", "hf", "random"):
+        _fail("model.init", f"is {m.init!r}; use 'sft', 'hf' or 'random'.")
+    if m.init in ("sft", "hf") and not m.path:
+        _fail("model.path", f"is empty but model.init={m.init!r} needs a checkpoint directory.")
+    if d.task not in ("arithmetic", "jsonl"):
+        _fail("data.task", f"is {d.task!r}; use 'arithmetic' or 'jsonl'.")
+    if d.task == "jsonl" and not d.train_file:
+        _fail("data.train_file", "is empty but data.task='jsonl' needs a training JSONL file.")
+    if d.template not in ("plain", "chat"):
+        _fail("data.template", f"is {d.template!r}; use 'plain' or 'chat'.")
+    for name, value, low in [("rollout.group_size", r.group_size, 1),
+                             ("rollout.max_new_tokens", r.max_new_tokens, 1),
+                             ("train.steps", t.steps, 0), ("train.batch_size", t.batch_size, 1),
+                             ("optim.epochs", o.epochs, 1),
+                             ("optim.num_minibatches", o.num_minibatches, 1),
+                             ("optim.micro_batches", o.micro_batches, 1),
+                             ("data.max_prompt_len", d.max_prompt_len, 2),
+                             ("train.max_nonfinite", t.max_nonfinite, 1)]:
+        if value < low:
+            _fail(name, f"must be >= {low}, got {value}.")
+    if not r.temperature > 0:
+        _fail("rollout.temperature", f"must be > 0, got {r.temperature}.")
+    if not 0 < r.top_p <= 1:
+        _fail("rollout.top_p", f"must be in (0, 1], got {r.top_p}.")
+    if r.min_new_tokens > r.max_new_tokens:
+        _fail("rollout.min_new_tokens", f"({r.min_new_tokens}) exceeds rollout.max_new_tokens "
+              f"({r.max_new_tokens}).")
+    if a.advantage not in ESTIMATORS:
+        _fail("algo.advantage", f"is {a.advantage!r}; choose one of {sorted(ESTIMATORS)}.")
+    if a.advantage in ("grpo", "rloo", "reinforce") and r.group_size < 2:
+        _fail("rollout.group_size", f"is {r.group_size}, but algo.advantage={a.advantage!r} "
+              "needs a group of at least 2 responses per query.")
+    if a.weight_scheme not in SCHEMES:
+        _fail("algo.weight_scheme", f"is {a.weight_scheme!r}; choose one of {SCHEMES}.")
+    if not (0 <= a.weight_min <= 1 <= a.weight_max):
+        _fail("algo.weight_min", f"and algo.weight_max must satisfy 0 <= min <= 1 <= max, got "
+              f"[{a.weight_min}, {a.weight_max}].")
+    if not a.weight_tau > 0:
+        _fail("algo.weight_tau", f"must be > 0, got {a.weight_tau}.")
+    if o.schedule not in ("constant", "cosine"):
+        _fail("optim.schedule", f"is {o.schedule!r}; use 'constant' or 'cosine'.")
+    if not o.lr > 0:
+        _fail("optim.lr", f"must be > 0, got {o.lr}.")
+    rows = t.batch_size * r.group_size
+    if t.batch_size % o.num_minibatches:
+        _fail("optim.num_minibatches", f"({o.num_minibatches}) must divide train.batch_size "
+              f"({t.batch_size}) so every mini-batch holds whole groups.")
+    mb_queries = t.batch_size // o.num_minibatches
+    if mb_queries % o.micro_batches:
+        _fail("optim.micro_batches", f"({o.micro_batches}) must divide the {mb_queries} queries "
+              "of a mini-batch so every micro-batch holds whole groups.")
+    if any(k < 1 or k > t.eval_n for k in t.eval_k):
+        _fail("train.eval_k", f"{t.eval_k}: every k must be in [1, train.eval_n={t.eval_n}].")
+    if len(cfg.mesh.shape) != 3:
+        _fail("mesh.shape", f"must have 3 entries (data, fsdp, tensor), got {cfg.mesh.shape}.")
+    if num_devices is not None:
+        shape = list(cfg.mesh.shape)
+        known = math.prod(s for s in shape if s != -1)
+        if known > num_devices or (-1 in shape and num_devices % known):
+            _fail("mesh.shape", f"{tuple(shape)} does not fit the {num_devices} available devices.")
+        data_par = (num_devices // known if -1 in shape[:2] else 1) * math.prod(
+            s for s in shape[:2] if s != -1)
+        micro_rows = rows // o.num_minibatches // o.micro_batches
+        if micro_rows % data_par:
+            _fail("optim.micro_batches", f"a micro-batch has {micro_rows} rows, which is not "
+                  f"divisible by the data-parallel size {data_par}; change train.batch_size, "
+                  "rollout.group_size or the mesh.")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _convert(text: str, typ, field: str):
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        _fail(field, f"expects true/false, got {text!r}.")
+    if origin in (types.UnionType, typing.Union):
+        args = [x for x in typing.get_args(typ) if x is not type(None)]
+        if text.lower() in ("none", "null"):
+            return None
+        return _convert(text, args[0], field)
+    if origin is tuple:
+        items = [s for s in text.strip("()[] ").split(",") if s.strip()]
+        args = typing.get_args(typ)
+        item_t = args[0] if args else str
+        return tuple(_convert(s.strip(), item_t, field) for s in items)
+    try:
+        return typ(text)
+    except (TypeError, ValueError):
+        _fail(field, f"expects {getattr(typ, '__name__', typ)}, got {text!r}.")
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """Return cfg with `a.b.c=value` overrides applied (typed by the dataclass)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.field=value.")
+        path, text = item.split("=", 1)
+        cfg = _replace_path(cfg, path.strip().split("."), text.strip(), path.strip())
+    return cfg
+
+
+def _replace_path(obj, parts: list[str], text: str, full: str):
+    hints = typing.get_type_hints(type(obj))
+    name = parts[0]
+    if name not in hints:
+        fields = ", ".join(f.name for f in dataclasses.fields(obj))
+        _fail(full, f"{type(obj).__name__} has no field {name!r} (fields: {fields}).")
+    if len(parts) == 1:
+        value = _convert(text, hints[name], full)
+    else:
+        value = _replace_path(getattr(obj, name), parts[1:], text, full)
+    try:
+        return dataclasses.replace(obj, **{name: value})
+    except ValueError as e:
+        _fail(full, str(e))
+
+
+def from_dict(cls, data: dict):
+    """Build a (nested) config dataclass from a dict, e.g. a saved config.json."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for k, v in data.items():
+        if k not in hints:
+            _fail(f"{cls.__name__}.{k}", "is not a known field.")
+        t = hints[k]
+        if dataclasses.is_dataclass(t):
+            v = from_dict(t, v)
+        elif typing.get_origin(t) is tuple or (typing.get_origin(t) in (types.UnionType,) and
+                                               isinstance(v, list)):
+            v = tuple(v)
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+def load_config(path: str | None, overrides: list[str] = (), cpu: bool = False) -> RunConfig:
+    """Load an experiment file (.py with get_config / get_cpu_config, or .json)."""
+    if path is None:
+        cfg = RunConfig()
+    elif str(path).endswith(".json"):
+        cfg = from_dict(RunConfig, json.loads(Path(path).read_text()))
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {path} does not exist.")
+        spec = importlib.util.spec_from_file_location(f"erpo_experiment_{p.stem}", p)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        getter = getattr(mod, "get_cpu_config", None) if cpu else None
+        getter = getter or getattr(mod, "get_config", None)
+        if getter is None:
+            raise ValueError(f"config file {path} defines no get_config().")
+        cfg = getter()
+    return apply_overrides(cfg, list(overrides))
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=list))
+
+
+def load_any(path: str | None, overrides=(), cpu=False) -> Any:
+    return load_config(path, overrides, cpu)

@@ -1,0 +1,87 @@
+"""Evaluation: greedy pass@1 and sampled pass@k on every evaluation set.
+
+pass@k uses the unbiased estimator 1 - C(n-c, k) / C(n, k) over n samples
+per problem with c correct, averaged over problems.
+"""
+
+from __future__ import annotations
+
+import json
+from math import comb
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.sharding import Sharding
+from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
+from erpo_jax.train.config import RunConfig
+from erpo_jax.train.tasks import Task
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with c of n samples correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}.")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+class Evaluator:
+    """Runs the evaluation sets of a task; holds its own compiled samplers."""
+
+    def __init__(self, model_cfg: ModelConfig, task: Task, cfg: RunConfig,
+                 sharding: Sharding | None = None, max_problems: int | None = None):
+        t, r, tok = cfg.train, cfg.rollout, task.tokenizer
+        self.task, self.cfg = task, cfg
+        self.max_problems = max_problems or t.eval_max_problems
+        common = dict(max_new_tokens=r.max_new_tokens, eos_ids=tok.eos_ids, pad_id=tok.pad_id,
+                      max_prompt_len=cfg.data.max_prompt_len)
+        self.greedy = Sampler(model_cfg, SamplingConfig(num_samples=1, greedy=True, **common),
+                              sharding)
+        self.sampled = None
+        if t.eval_n > 1:
+            self.sampled = Sampler(model_cfg, SamplingConfig(
+                num_samples=t.eval_n, temperature=t.eval_temperature, **common), sharding)
+        self.sets = {name: probs[:self.max_problems] for name, probs in task.eval_sets.items()}
+        self.prompts = {name: task.prompts(probs) for name, probs in self.sets.items()}
+
+    def evaluate(self, params, seed_key: jax.Array, step: int) -> dict[str, Any]:
+        """{'sets': {name: {greedy_acc, pass@k..., n}}, 'average': {...}, 'samples': [...]}"""
+        from erpo_jax.train.host import sample
+        tok = self.task.tokenizer
+        results, samples = {}, []
+        for i, (name, probs) in enumerate(self.sets.items()):
+            golds = [p.answer for p in probs]
+            out = sample(self.greedy, params, self.prompts[name], seed_key)
+            texts = tok.decode_responses(out.response_tokens, out.response_mask)
+            rewards, _ = self.task.reward_fn(texts, golds)
+            res = {"greedy_acc": float(np.mean(rewards)), "n_problems": len(probs)}
+            samples += [{"set": name, "id": p.id, "prompt": p.question, "response": s,
+                         "gold": p.answer, "reward": float(rw)}
+                        for p, s, rw in list(zip(probs, texts, rewards))[:2]]
+            if self.sampled is not None:
+                n = self.cfg.train.eval_n
+                key = rollout_key(jax.random.fold_in(seed_key, i), step)
+                out = sample(self.sampled, params, self.prompts[name], key)
+                texts = tok.decode_responses(out.response_tokens, out.response_mask)
+                rw, _ = self.task.reward_fn(texts, [g for g in golds for _ in range(n)])
+                correct = rw.reshape(len(probs), n).sum(axis=1).astype(int)
+                for k in self.cfg.train.eval_k:
+                    res[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
+                res["sampled_acc"] = float(rw.mean())
+            results[name] = res
+        keys = sorted({k for r in results.values() for k in r if k != "n_problems"})
+        average = {k: float(np.mean([r[k] for r in results.values() if k in r])) for k in keys}
+        return {"step": step, "sets": results, "average": average, "samples": samples}
+
+
+def write_eval(run_dir: Path, result: dict) -> None:
+    """Append to evals.jsonl and keep the latest as eval_<step>.json."""
+    run_dir = Path(run_dir)
+    with open(run_dir / "evals.jsonl", "a") as f:
+        f.write(json.dumps({k: v for k, v in result.items() if k != "samples"}) + "\n")
+    (run_dir / f"eval_{result['step']:06d}.json").write_text(json.dumps(result, indent=2))

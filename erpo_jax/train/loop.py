@@ -1,0 +1,358 @@
+"""The RL loop: rollout -> reward -> advantages -> update -> metrics -> checkpoint.
+
+Per RL step s: take B queries (the data iterator at position s), sample G
+responses each with the rollout key fold_in(seed, s), score them, compute
+advantages, run the reference over the responses only if Policy-KL is on,
+then update for `optim.epochs` passes over `optim.num_minibatches` shuffled
+mini-batches of whole groups. Query-KL reads the cached reference pass and
+never runs the reference model.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from erpo_jax.data.iterator import QueryBatchIterator
+from erpo_jax.model.sharding import Sharding, make_mesh
+from erpo_jax.rl import advantages as adv_lib
+from erpo_jax.rl import critic as critic_lib
+from erpo_jax.rl import reference as ref_lib
+from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_batch
+from erpo_jax.rl.kl import kl_penalized_rewards
+from erpo_jax.rl.query_kl import query_kl
+from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
+from erpo_jax.train import checkpoint as ckpt_lib
+from erpo_jax.train import train_step as step_lib
+from erpo_jax.train.config import RunConfig, save_config, validate
+from erpo_jax.train.evaluate import Evaluator, write_eval
+from erpo_jax.train.host import sample
+from erpo_jax.train.metrics import MetricsWriter
+from erpo_jax.train.policy import load_policy
+from erpo_jax.train.tasks import Task, load_task
+
+
+class Preempted(Exception):
+    """Raised inside the loop when SIGTERM arrived (after the checkpoint is saved)."""
+
+
+def _put(x, sharding: Sharding | None, logical=("batch", None)):
+    if x is None:
+        return None
+    if sharding is None:
+        return jnp.asarray(x)
+    return jax.device_put(np.asarray(x), sharding.named(logical[:np.ndim(x)]))
+
+
+def rollout_to_batch(ro, advantages, query_index, ref_cache, weights, group_size,
+                     ref_logp=None) -> RLBatch:
+    """The RLBatch (numpy) of one rollout: [query | response] rows, T = P + N."""
+    P = ro.prompt_tokens.shape[1]
+    tokens = np.concatenate([ro.prompt_tokens, ro.response_tokens], axis=1).astype(np.int32)
+    attn = np.concatenate([ro.prompt_mask, ro.response_mask], axis=1).astype(bool)
+    qmask, rmask = masks_from_layout(attn, P)
+    old_logp = np.zeros(qmask.shape, np.float32)
+    old_logp[:, P - 1:] = np.where(ro.response_mask, ro.logp, 0.0)
+    rows_query = np.repeat(np.asarray(query_index), group_size)
+    return RLBatch(
+        tokens=tokens, attn_mask=attn, query_mask=qmask, response_mask=rmask,
+        old_logp=old_logp, advantages=np.asarray(advantages, np.float32),
+        ref_query_logp=ref_cache.batch_layout(rows_query, P, tokens.shape[1]),
+        query_weight=np.asarray(weights, np.float32)[rows_query],
+        group_id=group_ids(len(query_index), group_size), ref_logp=ref_logp)
+
+
+class Trainer:
+    """Owns everything a run needs; `run()` trains to `train.steps` (resuming if it can)."""
+
+    def __init__(self, cfg: RunConfig):
+        _maybe_initialize_distributed()
+        self.cfg = validate(cfg, jax.device_count())
+        t, a, lc = cfg.train, cfg.algo, cfg.loss
+        self.primary = jax.process_index() == 0
+        self.run_dir = Path(t.out_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.primary:
+            save_config(cfg, self.run_dir / "config.json")
+        self.sharding = Sharding(make_mesh(cfg.mesh.shape))
+        self.model_cfg, params, self.tokenizer = load_policy(cfg, self.sharding)
+        self.task: Task = load_task(cfg, self.tokenizer)
+        self.G, self.B = cfg.rollout.group_size, t.batch_size
+        self.ref_forward_calls = 0
+
+        # One-time reference pass (the initial policy is the reference).
+        cache_dir = Path(t.ref_cache_dir) if t.ref_cache_dir else self.run_dir.parent / ".refcache"
+        phash = ref_lib.params_digest(params)
+        common = dict(tokenizer_id=self.tokenizer.identity, template=self.task.template_id,
+                      params_hash=phash, batch_size=t.ref_batch_size,
+                      pad_id=self.tokenizer.pad_id, chunk_size=cfg.model.logprob_chunk,
+                      sharding=self.sharding, progress=t.progress)
+        self.ref_cache, _ = ref_lib.load_or_compute(params, self.model_cfg,
+                                                    self.task.train_prompts, cache_dir, **common)
+        self.weights = self.ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min,
+                                              a.weight_max)
+        drift = [p for group in zip(*self.task.eval_sets.values()) for p in group]
+        self.drift_prompts = self.task.prompts(drift[:t.drift_queries])
+        self.drift_cache, _ = ref_lib.load_or_compute(params, self.model_cfg, self.drift_prompts,
+                                                      cache_dir, **common)
+        # The reference weights stay in memory only if a per-step term needs them.
+        need_ref = lc.needs_ref_logp or t.policy_kl_metric
+        self.ref_params = jax.tree_util.tree_map(jnp.copy, params) if need_ref else None
+
+        o = cfg.optim
+        total = t.steps * o.epochs * o.num_minibatches
+        self.tx, self.schedule = step_lib.make_optimizer(o, total)
+        critic, critic_tx = None, None
+        if adv_lib.needs_critic(a.advantage):
+            critic = critic_lib.init_critic(self.model_cfg, jax.random.key(t.seed), params)
+            critic_tx, _ = step_lib.make_optimizer(o, total, lr=a.critic_lr)
+        self.state = step_lib.init_state(params, self.tx, critic, critic_tx)
+        self.update = step_lib.build_update(
+            self.model_cfg, lc, a, self.tx, critic_tx, micro_batches=o.micro_batches,
+            group_size=self.G, temperature=cfg.rollout.temperature,
+            chunk_size=cfg.model.logprob_chunk, sharding=self.sharding,
+            state_shardings=step_lib.shardings_of(self.state))
+        r = cfg.rollout
+        self.sampler = Sampler(self.model_cfg, SamplingConfig(
+            max_new_tokens=r.max_new_tokens, num_samples=self.G, temperature=r.temperature,
+            top_p=r.top_p, top_k=r.top_k, eos_ids=self.tokenizer.eos_ids,
+            min_new_tokens=r.min_new_tokens, pad_id=self.tokenizer.pad_id,
+            max_prompt_len=cfg.data.max_prompt_len), self.sharding)
+        self.ref_logp_fn = step_lib.make_logprob_fn(self.model_cfg, r.temperature,
+                                                    cfg.model.logprob_chunk, self.sharding)
+        self.t1_logp_fn = step_lib.make_logprob_fn(self.model_cfg, 1.0, cfg.model.logprob_chunk,
+                                                   self.sharding)
+        self.iterator = QueryBatchIterator(len(self.task.train), self.B, t.seed)
+        if critic is not None:
+            self.values_fn = jax.jit(lambda c, tok, m: critic_lib.values(c, self.model_cfg, tok, m))
+        self.evaluator = Evaluator(self.model_cfg, self.task, cfg, self.sharding)
+        self.seed_key = jax.random.key(t.seed)
+        self.writer = MetricsWriter(self.run_dir, self.primary)
+        self.ckpt = ckpt_lib.Checkpointer(self.run_dir / "checkpoints", t.keep_checkpoints,
+                                          t.ckpt_every)
+        self.start_step = 0
+        latest = self.ckpt.latest_step()
+        if latest is not None:
+            self.state, meta = self.ckpt.restore(self.state, latest)
+            self.start_step = int(meta["step"])
+            self.iterator.set_state(meta["data"])
+            self.writer.truncate_after(self.start_step)
+        self._stop = False
+
+    # ------------------------------------------------------------------ pieces
+
+    def _rl_batch(self, step: int):
+        cfg, G = self.cfg, self.G
+        self.iterator.step = step
+        idx = next(self.iterator)
+        prompts = [self.task.train_prompts[i] for i in idx]
+        times = {}
+        t0 = time.perf_counter()
+        ro = sample(self.sampler, self.state.params, prompts,
+                    rollout_key(jax.random.fold_in(self.seed_key, 1), step))
+        times["time/rollout"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        texts = self.tokenizer.decode_responses(ro.response_tokens, ro.response_mask)
+        golds = [self.task.train[i].answer for i in idx for _ in range(G)]
+        rewards, reasons = self.task.reward_fn(texts, golds)
+        times["time/reward"] = time.perf_counter() - t0
+        batch = rollout_to_batch(ro, np.zeros(len(rewards), np.float32), idx, self.ref_cache,
+                                 self.weights, G)
+        t0 = time.perf_counter()
+        ref_logp = None
+        lc, a = cfg.loss, cfg.algo
+        if lc.needs_ref_logp:
+            ref_logp = np.asarray(jax.device_get(self.ref_logp_fn(
+                self.ref_params, _put(batch.tokens, self.sharding),
+                _put(batch.attn_mask, self.sharding))))
+            self.ref_forward_calls += 1
+        times["time/ref"] = time.perf_counter() - t0
+        shaped = jnp.asarray(rewards)
+        if lc.beta_policy > 0 and lc.policy_kl_mode == "reward":
+            shaped = kl_penalized_rewards(shaped, jnp.asarray(batch.old_logp), jnp.asarray(ref_logp),
+                                          jnp.asarray(batch.response_mask), lc.beta_policy,
+                                          lc.policy_kl_estimator, lc.kl_clamp)
+        critic_batch = None
+        if adv_lib.needs_critic(a.advantage):
+            vals = np.asarray(jax.device_get(self.values_fn(
+                self.state.critic, _put(batch.tokens, self.sharding),
+                _put(batch.attn_mask, self.sharding))))
+            adv, returns = adv_lib.gae(shaped, jnp.asarray(vals), jnp.asarray(batch.response_mask),
+                                       gamma=a.gamma, lam=a.lam, whiten=True)
+            critic_batch = step_lib.CriticBatch(np.asarray(vals, np.float32),
+                                                np.asarray(returns, np.float32))
+        else:
+            kw = {"eps": a.adv_eps} if a.advantage in ("grpo", "reinforce_pp") else {}
+            adv = adv_lib.compute_advantages(a.advantage, shaped.reshape(self.B, G), **kw)
+            adv = np.asarray(adv).reshape(-1)
+        batch = batch._replace(advantages=np.asarray(adv, np.float32), ref_logp=ref_logp)
+        validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss)
+        r = rewards.reshape(self.B, G)
+        info = {
+            "reward_mean": float(np.mean(shaped)), "accuracy": float(np.mean(rewards == 1.0)),
+            "response_len_mean": float(np.mean(ro.lengths)),
+            "response_len_max": float(np.max(ro.lengths)),
+            "truncated_frac": float(np.mean(ro.truncated)),
+            "zero_var_group_frac": float(np.mean(r.max(axis=1) == r.min(axis=1))),
+            **{f"reward/{k}": float(np.mean([x == k for x in reasons]))
+               for k in sorted(set(reasons))},
+        }
+        return batch, critic_batch, info, times, ro
+
+    def _update(self, batch: RLBatch, critic_batch, step: int) -> dict:
+        o, G, B = self.cfg.optim, self.G, self.B
+        rng = np.random.default_rng([self.cfg.train.seed, 3, step])
+        per_mb = B // o.num_minibatches
+        metrics = []
+        for _ in range(o.epochs):
+            order = rng.permutation(B)
+            for k in range(o.num_minibatches):
+                q = order[k * per_mb:(k + 1) * per_mb]
+                rows = (q[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+                take = lambda x: None if x is None else _put(np.asarray(x)[rows], self.sharding)
+                mb = RLBatch(*(take(x) for x in batch))
+                cb = None
+                if critic_batch is not None:
+                    cb = step_lib.CriticBatch(take(critic_batch.old_values),
+                                              take(critic_batch.returns))
+                self.state, m = self.update(self.state, mb, cb)
+                metrics.append(m)
+        out = {k: float(np.mean([float(m[k]) for m in metrics])) for k in metrics[0]}
+        out["lr"] = float(self.schedule(int(self.state.step)))
+        return out
+
+    def drift(self) -> dict:
+        """Query drift: QKL (k3, k1) of the current policy on the held-out query set."""
+        prompts = self.drift_prompts
+        width = ref_lib._bucket(max(len(p) for p in prompts))
+        n = len(prompts)
+        dp = self.sharding.data_size
+        rows = -(-n // dp) * dp
+        tokens = np.full((rows, width), self.tokenizer.pad_id, np.int32)
+        mask = np.zeros((rows, width), bool)
+        for i in range(rows):
+            p = prompts[min(i, n - 1)]
+            tokens[i, width - len(p):], mask[i, width - len(p):] = p, True
+        qmask, _ = masks_from_layout(mask, width)
+        idx = [min(i, n - 1) for i in range(rows)]
+        ref = self.drift_cache.batch_layout(idx, width, width)
+        lp = self.t1_logp_fn(self.state.params, _put(tokens, self.sharding),
+                             _put(mask, self.sharding))
+        gid = jnp.asarray(idx, jnp.int32)
+        args = (lp, jnp.asarray(ref), jnp.asarray(qmask), gid)
+        return {"drift/qkl_k3": float(query_kl(*args, "k3")),
+                "drift/qkl_k1": float(query_kl(*args, "k1"))}
+
+    def _policy_kl_metric(self, batch: RLBatch) -> dict:
+        from erpo_jax.rl.kl import kl_estimate
+        tok, m = _put(batch.tokens, self.sharding), _put(batch.attn_mask, self.sharding)
+        ref = self.ref_logp_fn(self.ref_params, tok, m)
+        cur = self.ref_logp_fn(self.state.params, tok, m)
+        rm = jnp.asarray(batch.response_mask)
+        k = kl_estimate(cur, ref, "k3", rm)
+        return {"drift/policy_kl_k3": float(jnp.sum(k) / jnp.maximum(jnp.sum(rm), 1))}
+
+    # ------------------------------------------------------------------ the loop
+
+    def _on_sigterm(self, signum, frame):
+        self._stop = True
+
+    def run(self) -> dict:
+        t, cfg = self.cfg.train, self.cfg
+        old = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
+        bar = None
+        if t.progress and self.primary:
+            from tqdm import tqdm
+            bar = tqdm(total=t.steps, initial=self.start_step, desc=cfg.name, unit="step")
+        last_eval = None
+        try:
+            if self.start_step == 0 and t.eval_every > 0:
+                last_eval = self._evaluate(0)
+            for step in range(self.start_step, t.steps):
+                t_start = time.perf_counter()
+                batch, cb, info, times, ro = self._rl_batch(step)
+                t0 = time.perf_counter()
+                upd = self._update(batch, cb, step)
+                times["time/update"] = time.perf_counter() - t0
+                done = step + 1
+                row = {**info, **upd, **times}
+                n_tok = float(np.sum(ro.lengths) + ro.prompt_mask.sum())
+                row["tokens_per_sec"] = n_tok / max(time.perf_counter() - t_start, 1e-9)
+                row["nonfinite_skipped_total"] = float(self.state.skipped)
+                if t.drift_every > 0 and done % t.drift_every == 0:
+                    row.update(self.drift())
+                    if t.policy_kl_metric:
+                        row.update(self._policy_kl_metric(batch))
+                row = self.writer.write(done, row)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}",
+                                    drift=f"{row.get('drift/qkl_k3', float('nan')):.4f}")
+                if int(self.state.nonfinite) >= t.max_nonfinite:
+                    raise FloatingPointError(
+                        f"{int(self.state.nonfinite)} consecutive updates had a non-finite loss or "
+                        f"gradient (limit train.max_nonfinite={t.max_nonfinite}); parameters were "
+                        "left untouched by each. Lower optim.lr or check the data.")
+                if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
+                    last_eval = self._evaluate(done)
+                self._save(done, force=self._stop or done == t.steps)
+                if self._stop:
+                    raise Preempted()
+        except Preempted:
+            if self.primary:
+                print(f"SIGTERM: saved step {self.ckpt.latest_step()} in {self.ckpt.directory}; "
+                      "run the same command again to resume.", flush=True)
+            return {"status": "preempted", "step": self.ckpt.latest_step(),
+                    "ref_forward_calls": self.ref_forward_calls}
+        finally:
+            if bar is not None:
+                bar.close()
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+            self.writer.close()
+        return {"status": "done", "step": t.steps, "eval": last_eval,
+                "ref_forward_calls": self.ref_forward_calls}
+
+    def _save(self, step: int, force: bool = False) -> None:
+        self.iterator.step = step
+        meta = {"step": step, "seed_key": ckpt_lib.key_to_list(self.seed_key),
+                "data": self.iterator.get_state()}
+        self.ckpt.save(step, self.state, meta, force=force)
+
+    def _evaluate(self, step: int) -> dict:
+        res = self.evaluator.evaluate(self.state.params, jax.random.fold_in(self.seed_key, 2),
+                                      step)
+        if self.primary:
+            write_eval(self.run_dir, res)
+        return res
+
+    def close(self) -> None:
+        self.task.close()
+        self.ckpt.close()
+
+
+def _maybe_initialize_distributed() -> None:
+    try:
+        from erpo_jax.distributed import maybe_initialize
+    except ImportError:  # erpo_jax.distributed is added by the multi-host work
+        return
+    maybe_initialize()
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

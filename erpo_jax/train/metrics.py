@@ -1,0 +1,66 @@
+"""Where a run's numbers go: metrics.jsonl, TensorBoard events, a tqdm bar.
+
+Only process 0 writes (`primary=True`); every other process gets a writer
+that does nothing, so multi-host runs produce one set of files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Scalars as plain floats (NaN/inf kept as strings JSON can hold)."""
+    out = {}
+    for k, v in metrics.items():
+        v = float(np.asarray(v))
+        out[k] = v if math.isfinite(v) else str(v)
+    return out
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, primary: bool = True, tensorboard: bool = True):
+        self.primary = primary
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = None
+        if primary:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from tensorboardX import SummaryWriter
+                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
+        row = {"step": int(step), **to_python(metrics)}
+        if not self.primary:
+            return row
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, float):
+                    self._tb.add_scalar(k, v, step)
+        return row
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows after `step` (a resumed run rewrites what it redoes)."""
+        if not self.primary or not self.path.is_file():
+            return
+        rows = [line for line in self.path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(r + "\n" for r in rows))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

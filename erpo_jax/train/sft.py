@@ -1,0 +1,147 @@
+"""Supervised fine-tuning on (prompt, solution) pairs: the warm start before RL.
+
+Loss: token-mean cross-entropy on the solution tokens only (the prompt is
+context). Same mesh, optimizer, checkpoints and metrics as RL. The result is
+written as a Hugging Face directory (`<out_dir>/model`, plus the tokenizer),
+which RL loads with `model.init='sft'` as both policy and reference.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from erpo_jax.data.iterator import QueryBatchIterator
+from erpo_jax.model.hf import export_hf
+from erpo_jax.model.logprobs import token_logprobs
+from erpo_jax.model.sharding import Sharding, make_mesh
+from erpo_jax.train import checkpoint as ckpt_lib
+from erpo_jax.train import train_step as step_lib
+from erpo_jax.train.config import RunConfig, save_config, validate
+from erpo_jax.train.evaluate import Evaluator, write_eval
+from erpo_jax.train.metrics import MetricsWriter
+from erpo_jax.train.policy import load_policy
+from erpo_jax.train.tasks import load_task
+
+MODEL_SUBDIR = "model"
+
+
+def sft_examples(task, tokenizer) -> tuple[list[list[int]], list[int]]:
+    """(token ids of prompt + solution + EOS, prompt length) per training problem."""
+    seqs, plens = [], []
+    for p, prompt in zip(task.train, task.train_prompts):
+        if p.solution is None:
+            raise ValueError(f"SFT needs a worked solution, but problem {p.id} has none; "
+                             "SFT runs on the arithmetic task or data with solutions.")
+        seqs.append(prompt + tokenizer.encode_target(p.solution))
+        plens.append(len(prompt))
+    return seqs, plens
+
+
+def pack(seqs, plens, idx, width: int, pad_id: int):
+    """tokens int32[B, width] (right-padded), attn bool[B, width], loss mask bool[B, width-1]."""
+    B = len(idx)
+    tokens = np.full((B, width), pad_id, np.int32)
+    attn = np.zeros((B, width), bool)
+    target = np.zeros((B, width - 1), bool)
+    for r, i in enumerate(idx):
+        s = seqs[i]
+        if len(s) > width:
+            raise ValueError(f"SFT example {i} has {len(s)} tokens, more than the packing "
+                             f"width {width}.")
+        tokens[r, :len(s)], attn[r, :len(s)] = s, True
+        target[r, plens[i] - 1:len(s) - 1] = True  # predict solution tokens (and EOS)
+    return tokens, attn, target
+
+
+def run_sft(cfg: RunConfig) -> dict:
+    """Train, evaluate, export. Resumes from `<out_dir>/checkpoints` if present."""
+    validate(cfg, jax.device_count())
+    t, o = cfg.train, cfg.optim
+    run_dir = Path(t.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    primary = jax.process_index() == 0
+    if primary:
+        save_config(cfg, run_dir / "config.json")
+    sharding = Sharding(make_mesh(cfg.mesh.shape))
+    model_cfg, params, tok = load_policy(cfg, sharding)
+    task = load_task(cfg, tok)
+    try:
+        seqs, plens = sft_examples(task, tok)
+        width = max(8, 1 << (max(len(s) for s in seqs) - 1).bit_length())
+        tx, schedule = step_lib.make_optimizer(o, t.steps)
+        state = step_lib.init_state(params, tx)
+        shardings = step_lib.shardings_of(state)
+
+        def loss_fn(p, tokens, attn, target):
+            lp = token_logprobs(p, model_cfg, tokens, attn, chunk_size=cfg.model.logprob_chunk,
+                                sharding=sharding).logp
+            n = jnp.maximum(jnp.sum(target), 1)
+            return -jnp.sum(jnp.where(target, lp, 0.0)) / n
+
+        @jax.jit
+        def update(state, tokens, attn, target):
+            loss, g = jax.value_and_grad(loss_fn)(state.params, tokens, attn, target)
+            gnorm = jax.tree_util.tree_reduce(lambda a, x: a + jnp.sum(x * x), g, 0.0) ** 0.5
+            ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+            upd, opt = tx.update(g, state.opt_state, state.params)
+            new = state.replace(
+                step=state.step + ok.astype(jnp.int32),
+                params=step_lib._select(ok, jax.tree_util.tree_map(jnp.add, state.params, upd),
+                                        state.params),
+                opt_state=step_lib._select(ok, opt, state.opt_state),
+                nonfinite=jnp.where(ok, 0, state.nonfinite + 1),
+                skipped=state.skipped + (~ok).astype(jnp.int32))
+            new = jax.lax.with_sharding_constraint(new, shardings)
+            return new, {"loss": loss, "grad_norm": gnorm}
+
+        update = jax.jit(update.__wrapped__, donate_argnums=(0,))
+        ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, t.ckpt_every)
+        iterator = QueryBatchIterator(len(seqs), t.batch_size, t.seed)
+        start = 0
+        if ckpt.latest_step() is not None:
+            state, meta = ckpt.restore(state)
+            start = int(meta["step"])
+            iterator.set_state(meta["data"])
+        writer = MetricsWriter(run_dir, primary)
+        writer.truncate_after(start)
+        put = lambda x: jax.device_put(x, sharding.named(("batch", None)))
+        bar = None
+        if t.progress and primary:
+            from tqdm import tqdm
+            bar = tqdm(total=t.steps, initial=start, desc=f"{cfg.name} (sft)", unit="step")
+        for step in range(start, t.steps):
+            t0 = time.perf_counter()
+            iterator.step = step
+            tokens, attn, target = pack(seqs, plens, next(iterator), width, tok.pad_id)
+            state, m = update(state, put(tokens), put(attn), put(target))
+            row = {"sft_loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                   "lr": float(schedule(step)), "time/step": time.perf_counter() - t0}
+            writer.write(step + 1, row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['sft_loss']:.4f}")
+            if int(state.nonfinite) >= t.max_nonfinite:
+                raise FloatingPointError(f"{int(state.nonfinite)} consecutive non-finite SFT "
+                                         "updates; lower optim.lr.")
+            if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps:
+                iterator.step = step + 1
+                ckpt.save(step + 1, state, {"step": step + 1, "data": iterator.get_state()},
+                          force=True)
+        if bar is not None:
+            bar.close()
+        writer.close()
+        ckpt.close()
+        result = Evaluator(model_cfg, task, cfg, sharding).evaluate(
+            state.params, jax.random.key(t.seed), t.steps)
+        if primary:
+            write_eval(run_dir, result)
+            out = export_hf(state.params, model_cfg, run_dir / MODEL_SUBDIR)
+            tok.save(out)
+        return {"eval": result, "model_dir": str(run_dir / MODEL_SUBDIR)}
+    finally:
+        task.close()

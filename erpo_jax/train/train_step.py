@@ -1,0 +1,216 @@
+"""The train state, the optimizer, and the one pure jitted update.
+
+`update(state, batch, extras) -> (state, metrics)` takes one mini-batch of
+whole groups, splits it into micro-batches, accumulates their gradients with
+`lax.scan`, clips, and applies AdamW, all inside one jitted function with the
+state donated. Accumulation is exact: each micro-batch's terms are weighted by
+its share of each term's normaliser (response tokens for token-mean, sequences
+for sequence means, queries for Query-KL), so the accumulated gradient equals
+the gradient of the full mini-batch loss.
+
+A non-finite loss or gradient skips the update (parameters and optimizer
+state untouched) and increments `state.nonfinite`; the host loop aborts after
+K in a row.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.logprobs import token_logprobs
+from erpo_jax.model.sharding import Sharding
+from erpo_jax.rl import critic as critic_lib
+from erpo_jax.rl.batch import RLBatch
+from erpo_jax.rl.loss import LossConfig, loss_terms
+from erpo_jax.train.config import AlgoSection, OptimSection
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything an update changes. critic / critic_opt are None unless PPO."""
+
+    step: jax.Array  # int32[] optimizer updates applied so far
+    params: Any
+    opt_state: Any
+    critic: Any = None
+    critic_opt: Any = None
+    nonfinite: jax.Array = None  # int32[] consecutive skipped updates
+    skipped: jax.Array = None  # int32[] skipped updates in total
+
+
+def make_optimizer(o: OptimSection, total_updates: int, lr: float | None = None):
+    """optax AdamW with warmup and a constant or cosine schedule, after global-norm clipping."""
+    peak = o.lr if lr is None else lr
+    warm = max(int(o.warmup_steps), 0)
+    if o.schedule == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(0.0, peak, max(warm, 1) if warm else 1,
+                                                   max(total_updates, warm + 1), 0.0)
+    elif warm:
+        sched = optax.join_schedules([optax.linear_schedule(0.0, peak, warm),
+                                      optax.constant_schedule(peak)], [warm])
+    else:
+        sched = optax.constant_schedule(peak)
+    tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm) if o.max_grad_norm > 0
+                     else optax.identity(),
+                     optax.adamw(sched, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+    return tx, sched
+
+
+def init_state(params, tx, critic_params=None, critic_tx=None) -> TrainState:
+    """A fresh state; optimizer moments are created by a jitted init, so they
+    inherit the parameters' shardings (nothing is built unsharded)."""
+    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
+    state = TrainState(
+        step=zero(), params=params, opt_state=jax.jit(tx.init)(params),
+        critic=critic_params,
+        critic_opt=None if critic_params is None else jax.jit(critic_tx.init)(critic_params),
+        nonfinite=zero(), skipped=zero())
+    # Commit every leaf to its sharding now, so the first update compiles once
+    # (its outputs carry these shardings; uncommitted inputs would retrace).
+    return jax.device_put(state, shardings_of(state))
+
+
+@flax.struct.dataclass
+class CriticBatch:
+    """PPO critic targets, float32[N, T-1]: values at rollout time and GAE returns."""
+
+    old_values: jax.Array
+    returns: jax.Array
+
+
+def _term_counts(batch: RLBatch, loss_cfg: LossConfig):
+    """The normaliser of each loss term for this (micro-)batch, float32[]."""
+    rm = batch.response_mask.astype(bool)
+    if loss_cfg.agg_mode == "token_mean":
+        resp = jnp.sum(rm)
+    elif loss_cfg.agg_mode == "seq_mean_token_mean":
+        resp = jnp.sum(jnp.any(rm, axis=-1))
+    else:  # seq_sum_norm divides by the number of rows
+        resp = jnp.asarray(rm.shape[0])
+    has_q = jnp.any(batch.query_mask, axis=-1).astype(jnp.float32)
+    queries = jax.ops.segment_max(has_q, batch.group_id, num_segments=rm.shape[0])
+    queries = jnp.sum(jnp.maximum(queries, 0.0))
+    resp = resp.astype(jnp.float32)
+    return {"pg": resp, "policy_kl": resp, "entropy": resp, "query_kl": queries}
+
+
+def _finite(tree) -> jax.Array:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _select(pred, a, b):
+    return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _split_micro(tree, n: int):
+    return jax.tree_util.tree_map(
+        lambda x: None if x is None else x.reshape((n, x.shape[0] // n) + x.shape[1:]), tree)
+
+
+def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection, tx,
+                 critic_tx=None, *, micro_batches: int = 1, group_size: int = 1,
+                 temperature: float = 1.0, chunk_size: int | None = 512,
+                 sharding: Sharding | None = None, state_shardings=None,
+                 nan_injector=None):
+    """The jitted `update(state, batch, critic_batch) -> (state, metrics)`.
+
+    batch: RLBatch of N rows (whole groups of `group_size`, query-major);
+    critic_batch: CriticBatch or None (PPO only). The state is donated.
+    nan_injector: test hook, a function grads -> grads applied before the check.
+    """
+    n_micro = micro_batches
+
+    def micro_loss(params, mb: RLBatch, shares):
+        stats = token_logprobs(params, model_cfg, mb.tokens, mb.attn_mask,
+                               temperature=temperature, chunk_size=chunk_size,
+                               sharding=sharding)
+        terms, metrics = loss_terms(stats, mb, loss_cfg)
+        loss = sum(shares[k] * terms[k] for k in terms)
+        return loss, (terms, metrics)
+
+    def update(state: TrainState, batch: RLBatch, critic_batch):
+        N = batch.tokens.shape[0]
+        m = N // n_micro
+        gid = (jnp.arange(m, dtype=jnp.int32) // group_size)
+        micro = _split_micro(batch._replace(group_id=jnp.zeros((N,), jnp.int32)), n_micro)
+        micro = micro._replace(group_id=jnp.broadcast_to(gid, (n_micro, m)))
+        counts = jax.vmap(lambda b: _term_counts(b, loss_cfg))(micro)
+        totals = {k: jnp.maximum(jnp.sum(v), 1.0) for k, v in counts.items()}
+        cb = _split_micro(critic_batch, n_micro) if critic_batch is not None else None
+
+        def body(acc, xs):
+            mb, cnt, cmb = xs
+            shares = {k: cnt[k] / totals[k] for k in cnt}
+            (loss, (terms, metrics)), g = jax.value_and_grad(micro_loss, has_aux=True)(
+                state.params, mb, shares)
+            grads = jax.tree_util.tree_map(jnp.add, acc["grads"], g)
+            out = {"grads": grads, "loss": acc["loss"] + loss}
+            if cmb is not None:
+                (vl, vmet), cg = jax.value_and_grad(critic_lib.critic_loss_fn, has_aux=True)(
+                    state.critic, model_cfg, mb.tokens, mb.attn_mask, mb.response_mask,
+                    cmb.old_values, cmb.returns, algo.value_clip)
+                out["critic_grads"] = jax.tree_util.tree_map(jnp.add, acc["critic_grads"],
+                                                             jax.tree_util.tree_map(
+                                                                 lambda x: x / n_micro, cg))
+                metrics = {**metrics, **vmet}
+            return out, (metrics, terms)
+
+        acc0 = {"grads": jax.tree_util.tree_map(jnp.zeros_like, state.params),
+                "loss": jnp.zeros((), jnp.float32)}
+        if critic_batch is not None:
+            acc0["critic_grads"] = jax.tree_util.tree_map(jnp.zeros_like, state.critic)
+        acc, (metrics, terms) = jax.lax.scan(body, acc0, (micro, counts, cb))
+        grads = acc["grads"]
+        if nan_injector is not None:
+            grads = nan_injector(grads)
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(acc["loss"]) & jnp.isfinite(grad_norm)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        params = _select(ok, new_params, state.params)
+        opt_state = _select(ok, new_opt, state.opt_state)
+        critic, critic_opt = state.critic, state.critic_opt
+        out_metrics = {k: jnp.mean(v) for k, v in metrics.items()}
+        out_metrics.update({f"term_{k}": jnp.sum(v * counts[k] / totals[k])
+                            for k, v in terms.items()})
+        if critic_batch is not None:
+            cgrads = acc["critic_grads"]
+            c_ok = _finite(cgrads)
+            cu, new_copt = critic_tx.update(cgrads, state.critic_opt, state.critic)
+            critic = _select(ok & c_ok, optax.apply_updates(state.critic, cu), state.critic)
+            critic_opt = _select(ok & c_ok, new_copt, state.critic_opt)
+            out_metrics["critic_grad_norm"] = optax.global_norm(cgrads)
+        out_metrics.update(loss=acc["loss"], grad_norm=grad_norm,
+                           update_skipped=(~ok).astype(jnp.float32))
+        new_state = TrainState(
+            step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state,
+            critic=critic, critic_opt=critic_opt,
+            nonfinite=jnp.where(ok, 0, state.nonfinite + 1),
+            skipped=state.skipped + (~ok).astype(jnp.int32))
+        if state_shardings is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
+        return new_state, out_metrics
+
+    return jax.jit(update, donate_argnums=(0,))
+
+
+def shardings_of(tree):
+    """The shardings of a pytree of arrays (None leaves stay None)."""
+    return jax.tree_util.tree_map(lambda x: x.sharding, tree)
+
+
+@functools.lru_cache(maxsize=None)
+def make_logprob_fn(model_cfg: ModelConfig, temperature: float, chunk_size: int | None,
+                    sharding: Sharding | None = None):
+    """Jitted (params, tokens, mask) -> logp float32[N, T-1] at `temperature`
+    (the reference's response log-probs for Policy-KL)."""
+    return jax.jit(lambda p, t, m: token_logprobs(p, model_cfg, t, m, temperature=temperature,
+                                                  chunk_size=chunk_size, sharding=sharding).logp)
