@@ -224,6 +224,9 @@ def test_sync_code_checkpoint_and_gcs(fake, tmp_path):
     [git] = dry("sync", *SETTINGS, "--git", "https://example.org/erpo-jax.git", "--ref", "v1",
                 fake=fake)
     assert "git clone -q https://example.org/erpo-jax.git erpo-jax" in option(git, "--command")
+    _, scp_data = dry("sync", *SETTINGS, "--data", str(ckpt), fake=fake)  # data alone: no code
+    assert scp_data[5:8] == ["--recurse", str(ckpt), "tpu-a:erpo-jax/data/"]
+    assert option(scp_data, "--worker") == "all"
     r = sh("sync", *SETTINGS, "--dry-run", "--checkpoint", str(tmp_path / "nope"), fake=fake)
     assert r.returncode == 2 and "is not a local directory" in r.stderr
 

@@ -7,6 +7,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 usage() {
     cat <<HELP
 Usage: $ERPO_SCRIPT [settings] [--code | --git URL [--ref REF]] [--checkpoint DIR | --gcs gs://...]
+                 [--data DIR]
 
 Copies to every worker (--worker=all), into the code directory (--remote-dir):
   --code              this checkout's tracked and untracked-but-not-ignored files,
@@ -18,6 +19,8 @@ Copies to every worker (--worker=all), into the code directory (--remote-dir):
                       checkpoints/<basename of DIR> on each worker
   --gcs gs://PATH     a checkpoint in Cloud Storage, copied on the workers with
                       gsutil -m cp -r to checkpoints/<basename of PATH> (fast for pods)
+  --data DIR          a local data directory (training JSONL, benchmarks), copied
+                      to data/<basename of DIR> on each worker
 The checkpoint's path for the trainer is then model.path=checkpoints/<basename>.
 
 Needs: project, zone, name.
@@ -31,6 +34,7 @@ GIT_URL=
 GIT_REF=HEAD
 CHECKPOINT=
 GCS=
+DATA=
 while (($#)); do
     if parse_setting "$@"; then shift "$SHIFT" && continue; fi
     case $1 in
@@ -40,6 +44,7 @@ while (($#)); do
         --ref) need_value "$@" && GIT_REF=$2 && shift 2 ;;
         --checkpoint) need_value "$@" && CHECKPOINT=$2 && shift 2 ;;
         --gcs) need_value "$@" && GCS=$2 && shift 2 ;;
+        --data) need_value "$@" && DATA=$2 && shift 2 ;;
         *) die "unknown option '$1' (see --help)." ;;
     esac
 done
@@ -47,8 +52,9 @@ require_settings project zone name
 [[ -z $GIT_URL || $CODE == 0 ]] || die "use --code or --git, not both."
 [[ -z $CHECKPOINT || -z $GCS ]] || die "use --checkpoint or --gcs, not both."
 [[ -z $CHECKPOINT || -d $CHECKPOINT ]] || die "--checkpoint '$CHECKPOINT' is not a local directory."
+[[ -z $DATA || -d $DATA ]] || die "--data '$DATA' is not a local directory."
 [[ -z $GCS || $GCS == gs://?* ]] || die "--gcs must be a gs:// path, got '$GCS'."
-[[ -n $GIT_URL || -n $CHECKPOINT || -n $GCS ]] || CODE=1
+[[ -n $GIT_URL || -n $CHECKPOINT || -n $GCS || -n $DATA ]] || CODE=1
 
 dir=$(q "$REMOTE_DIR")
 if ((CODE)); then
@@ -73,4 +79,10 @@ if [[ -n $GCS ]]; then
     src=${GCS%/}
     tpu_ssh all "set -e; mkdir -p $dir/checkpoints; gsutil -m -q cp -r $(q "$src") $dir/checkpoints/"
     echo "checkpoint on the workers: model.path=checkpoints/$(basename "$src")" >&2
+fi
+if [[ -n $DATA ]]; then
+    src=${DATA%/}
+    tpu_ssh all "mkdir -p $dir/data"
+    tpu_scp all --recurse "$src" "$TPU_NAME:$REMOTE_DIR/data/"
+    echo "data on the workers: $REMOTE_DIR/data/$(basename "$src")" >&2
 fi
