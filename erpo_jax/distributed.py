@@ -75,8 +75,7 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{name}={text!r} is not an integer; launch.sh sets it to the "
-                         "worker count / worker index.") from None
+        raise ValueError(f"{name}={text!r} is not an integer.") from None
 
 
 def detect(environ: Mapping[str, str] | None = None) -> MultihostEnv:
@@ -90,7 +89,7 @@ def detect(environ: Mapping[str, str] | None = None) -> MultihostEnv:
     if flag and flag not in _TRUE + _FALSE:
         raise ValueError(f"{ENV_MULTIHOST}={env[ENV_MULTIHOST]!r}: use 1 (multi-host) or 0 "
                          "(single process).")
-    slices = int(env.get("MEGASCALE_NUM_SLICES", "1") or 1)
+    slices = _int_var(env, "MEGASCALE_NUM_SLICES") if env.get("MEGASCALE_NUM_SLICES") else 1
     if flag in _FALSE:
         return MultihostEnv("single", reason=f"{ENV_MULTIHOST}=0")
     if env.get(ENV_COORDINATOR):
@@ -238,7 +237,8 @@ class MeshPlan:
 
 
 def plan_mesh(num_devices: int, devices_per_host: int, data: int | None = None,
-              fsdp: int | None = None, tensor: int | None = None) -> MeshPlan:
+              fsdp: int | None = None, tensor: int | None = None, *,
+              num_slices: int = 1) -> MeshPlan:
     """Choose the mesh shape for `num_devices` devices in hosts of `devices_per_host`.
 
     None (or -1) means "choose": tensor defaults to 1, data to 1 when fsdp is
@@ -246,8 +246,9 @@ def plan_mesh(num_devices: int, devices_per_host: int, data: int | None = None,
     arguments every device is an fsdp shard (parameters and optimizer state
     spread over the whole slice, the batch too). Raises a sentence naming the
     numbers when the shape does not use the devices, when tensor parallelism
-    would cross hosts, or when the hosts cannot each get a contiguous block of
-    the batch.
+    would cross hosts, when the hosts cannot each get a contiguous block of
+    the batch, or when `num_slices` > 1 slices (joined by the slow data-center
+    network) would be crossed by anything but data parallelism.
     """
     if num_devices < 1 or devices_per_host < 1 or num_devices % devices_per_host:
         raise ValueError(f"{num_devices} devices do not split into hosts of "
@@ -285,6 +286,10 @@ def plan_mesh(num_devices: int, devices_per_host: int, data: int | None = None,
                          f"{n_hosts} hosts one contiguous block of the batch; make data a "
                          f"multiple of {n_hosts}, or a divisor of {n_hosts} with fsdp a "
                          f"multiple of {n_hosts} // data.")
+    if num_slices > 1 and (n_hosts % num_slices or hd % num_slices):
+        raise ValueError(f"data={d} is not a multiple of the {num_slices} slices; across "
+                         "slices only data parallelism is cheap, so make data a multiple of "
+                         f"{num_slices}.")
     return MeshPlan(shape, (hd, hf, 1), (d // hd, f // hf, t))
 
 
@@ -342,7 +347,9 @@ def mesh_for(kind: str | None = None, num_devices: int | None = None, data: int 
             raise ValueError(f"num_devices={num_devices} but {len(devices)} devices on "
                              f"{n_hosts} hosts are visible; a multi-host mesh uses them all.")
         devices = sorted(devices, key=lambda d: d.id)[:num_devices]
-    plan = plan_mesh(len(devices), len(devices) // n_hosts, data, fsdp, tensor)
+    n_slices = len({_default_host_of(d)[0] for d in devices})
+    plan = plan_mesh(len(devices), len(devices) // n_hosts, data, fsdp, tensor,
+                     num_slices=n_slices)
     return mesh_over_hosts(plan, devices)
 
 

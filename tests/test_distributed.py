@@ -144,6 +144,14 @@ def test_plan_mesh_refuses_interleaved_hosts():
         D.plan_mesh(24, 6, data=6, fsdp=4, tensor=1)
 
 
+def test_plan_mesh_keeps_slices_on_the_data_axis():
+    # Two v5litepod-16 slices: 8 hosts of 4.
+    plan = D.plan_mesh(32, 4, data=2, num_slices=2)
+    assert plan.shape == (2, 16, 1) and plan.hosts == (2, 4, 1)
+    with pytest.raises(ValueError, match="not a multiple of the 2 slices"):
+        D.plan_mesh(32, 4, num_slices=2)
+
+
 def test_mesh_over_hosts_gives_each_host_a_contiguous_batch_block():
     host_of = lambda d: d.id // 4  # pretend the 8 devices are 2 hosts of 4
     for axes in ({"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 8}, {"data": 8},
@@ -262,6 +270,7 @@ def _tail(path: Path, n: int = 3000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no output)"
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     port = _free_port()
     drop = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_NUM_SLICES", "JAX_LOCAL_DEVICE_IDS")
