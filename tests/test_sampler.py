@@ -167,7 +167,7 @@ def test_top_p_only_emits_the_nucleus(sharp_params, main_out):
 
 def test_top_k_and_top_p_only_emit_kept_tokens(sharp_params):
     sc = dataclasses.replace(MAIN, top_k=5, top_p=0.6, temperature=1.0, eos_ids=())
-    out = Sampler(CFG, sc)(sharp_params, _prompts(np.random.default_rng(1), (4, 7)), SEED)
+    out = Sampler(CFG, sc)(sharp_params, _prompts(np.random.default_rng(1), (4, 7, 2)), SEED)
     _check_kept(sharp_params, out, sc)
 
 
@@ -296,8 +296,8 @@ def test_prompt_padding_layout(main_out, main_prompts):
             assert main_out.prompt_mask[b * G + g].sum() == len(p)
 
 
-@pytest.mark.parametrize("min_new", [0, 3])
-def test_eos_min_new_tokens_and_flags(params, min_new):
+def test_eos_min_new_tokens_and_flags(params):
+    min_new = 3
     eos = tuple(range(2, CFG.vocab_size, 3))        # a third of the vocabulary
     N, pad = 12, 1
     sc = SamplingConfig(max_new_tokens=N, num_samples=16, eos_ids=eos, min_new_tokens=min_new,
@@ -364,3 +364,4 @@ def test_decode_stops_at_first_eos():
         ["5|6!", "5|5|5|5|5!", "!", "6|3|0|0|0!"]
     with pytest.raises(ValueError, match="exactly one"):
         decode_responses(ids, [2])
+
