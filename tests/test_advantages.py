@@ -1,15 +1,14 @@
 """Advantage estimators (closed-form numbers, all-equal groups, GAE) and the PPO critic."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.model.model import init_params
 from erpo_jax.rl import advantages as A
 from erpo_jax.rl import critic
+from erpo_jax.rl.synthetic import random_params
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 
@@ -134,7 +133,7 @@ def test_value_loss_clipped_numbers():
 
 def test_critic_values_aligned_and_trainable():
     cfg = ModelConfig()  # the shared tiny config: its init compiles once per session
-    trunk = init_params(cfg, jax.random.key(0))
+    trunk = random_params(cfg, 0)
     params = critic.init_critic(cfg, None, trunk_params=trunk)
     assert params["trunk"] is not trunk
     tokens = jnp.array([[0, 5, 6, 7, 8], [1, 2, 3, 4, 0]], jnp.int32)

@@ -1,0 +1,204 @@
+"""Gradient-flow inspector: where each loss term's gradient goes.
+
+For a batch and a LossConfig it reports, for every term (pg, policy_kl,
+query_kl, entropy) and their sum (total):
+  - the norm of the term's gradient with respect to the logits, split into
+    query positions, response positions and the rest (padding);
+  - the norm of the term's gradient with respect to the parameters;
+  - the cosine between every pair of terms' parameter gradients.
+
+The method requires QKL's response-position gradient and the PG and
+Policy-KL query-position gradients to be exactly 0; this makes it visible on
+any model and batch. The logits are materialised in full ([N, T-1, V]
+float32), so use it on small batches.
+
+`add_parser(subparsers)` + `run(args)` are the `erpo inspect-grads` command;
+`main(argv)` runs it standalone. Without a checkpoint it builds a tiny random
+model and a synthetic batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+
+from erpo_jax.model import model as model_lib
+from erpo_jax.model.config import PRESETS, ModelConfig
+from erpo_jax.rl.batch import RLBatch
+from erpo_jax.rl.loss import TERMS, LossConfig, loss_terms, stats_from_logits
+
+ROWS = TERMS + ("total",)
+
+
+def unit_coefficients(cfg: LossConfig, has_ref_logp: bool) -> LossConfig:
+    """The config with every regulariser's coefficient set to 1 (Policy-KL only if
+    reference response log-probs exist), to compare raw gradient directions."""
+    return dataclasses.replace(cfg, beta_policy=1.0 if has_ref_logp else 0.0, beta_query=1.0,
+                               entropy_coef=1.0, policy_kl_mode="loss")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg_model", "loss_cfg", "temperature"))
+def _inspect(params, batch: RLBatch, cfg_model: ModelConfig, loss_cfg: LossConfig,
+             temperature: float):
+    def logits_fn(p):
+        logits, _ = model_lib.forward(p, cfg_model, batch.tokens, attn_mask=batch.attn_mask)
+        return logits[:, :-1]
+
+    logits, vjp = jax.vjp(logits_fn, params)
+    targets = batch.tokens[:, 1:]
+
+    def all_terms(lg):
+        terms, _ = loss_terms(stats_from_logits(lg, targets, temperature), batch, loss_cfg)
+        values = [terms[name] for name in TERMS]
+        return jnp.stack(values + [sum(values)])
+
+    # One vmapped backward for all terms: [len(ROWS), N, T-1, V] and a stacked param tree.
+    values = all_terms(logits)
+    g_logits = jax.jacrev(all_terms)(logits)
+    (g_params,) = jax.vmap(vjp)(g_logits)
+    qm = batch.query_mask.astype(bool)
+    rm = batch.response_mask.astype(bool)
+    other = ~(qm | rm)
+    g2 = jnp.sum(jnp.square(g_logits), axis=-1)  # [len(ROWS), N, T-1]
+    part = lambda m: jnp.sqrt(jnp.sum(jnp.where(m, g2, 0.0), axis=(1, 2)))
+    flat = jnp.concatenate([x.reshape(len(ROWS), -1).astype(jnp.float32)
+                            for x in jax.tree.leaves(g_params)], axis=1)
+    gram = flat @ flat.T
+    stats = {"value": values, "logit_grad_query": part(qm), "logit_grad_response": part(rm),
+             "logit_grad_other": part(other), "param_grad_norm": jnp.sqrt(jnp.diagonal(gram))}
+    out = {name: {k: v[i] for k, v in stats.items()} for i, name in enumerate(ROWS)}
+    dots = {f"{ROWS[i]}|{ROWS[j]}": gram[i, j]
+            for i, j in itertools.combinations(range(len(ROWS)), 2)}
+    return out, dots
+
+
+def inspect_gradients(params, cfg_model: ModelConfig, batch: RLBatch, loss_cfg: LossConfig,
+                      temperature: float = 1.0, unit: bool = False) -> dict:
+    """Gradient-flow report as plain Python floats.
+
+    Returns {"terms": {term: {value, logit_grad_query, logit_grad_response,
+    logit_grad_other, param_grad_norm}}, "cosine": {"a|b": cos or nan when a
+    gradient is 0}, "loss_config": {...}} for terms in ROWS. unit=True first
+    replaces the coefficients by 1 (`unit_coefficients`).
+    """
+    if unit:
+        loss_cfg = unit_coefficients(loss_cfg, batch.ref_logp is not None)
+    out, dots = _inspect(params, batch, cfg_model, loss_cfg, float(temperature))
+    terms = {k: {m: float(v) for m, v in out[k].items()} for k in ROWS}
+    cosine = {}
+    for key, dot in dots.items():
+        a, b = key.split("|")
+        na, nb = terms[a]["param_grad_norm"], terms[b]["param_grad_norm"]
+        cosine[key] = float(dot) / (na * nb) if na > 0 and nb > 0 else math.nan
+    return {"terms": terms, "cosine": cosine, "loss_config": dataclasses.asdict(loss_cfg),
+            "temperature": float(temperature)}
+
+
+def format_table(report: dict) -> str:
+    """The report as two fixed-width tables (per-term norms, then pairwise cosines)."""
+    cols = ("value", "logit_grad_query", "logit_grad_response", "logit_grad_other",
+            "param_grad_norm")
+    heads = ("value", "|dL/dz| query", "|dL/dz| response", "|dL/dz| other", "|dL/dtheta|")
+    lines = [f"{'term':<10}" + "".join(f"{h:>18}" for h in heads)]
+    for name, row in report["terms"].items():
+        lines.append(f"{name:<10}" + "".join(f"{row[c]:>18.6g}" for c in cols))
+    names = list(report["terms"])
+    lines += ["", "cosine between parameter gradients ('-' where a gradient is zero)",
+              f"{'':<10}" + "".join(f"{n:>11}" for n in names)]
+    for a in names:
+        cells = []
+        for b in names:
+            c = 1.0 if a == b else report["cosine"].get(f"{a}|{b}",
+                                                        report["cosine"].get(f"{b}|{a}"))
+            zero = report["terms"][a]["param_grad_norm"] == 0
+            cells.append("-" if zero or c is None or math.isnan(c) else f"{c:.4f}")
+        lines.append(f"{a:<10}" + "".join(f"{x:>11}" for x in cells))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `inspect-grads` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser("inspect-grads", help="per-term gradient flow of the RL loss",
+                              description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", default=None,
+                   help="policy checkpoint (not supported yet; omit for a tiny random model)")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="model shape for the random model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--queries", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--query-width", type=int, default=8)
+    p.add_argument("--response-width", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--beta-policy", type=float, default=0.05)
+    p.add_argument("--beta-query", type=float, default=0.1)
+    p.add_argument("--entropy-coef", type=float, default=0.01)
+    p.add_argument("--policy-kl-estimator", default="k3", choices=("k1", "k2", "k3"))
+    p.add_argument("--query-kl-estimator", default="k3", choices=("k2", "k3"))
+    p.add_argument("--agg-mode", default="token_mean",
+                   choices=("token_mean", "seq_mean_token_mean", "seq_sum_norm"))
+    p.add_argument("--seq-sum-norm-const", type=float, default=None)
+    p.add_argument("--unit", action="store_true",
+                   help="set every regulariser's coefficient to 1 (compare directions)")
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Build model, batch and config from parsed arguments; print the table; return the report."""
+    from erpo_jax.rl.synthetic import random_params, synthetic_batch
+
+    if args.checkpoint is not None:
+        raise SystemExit("inspect-grads: loading --checkpoint is not available yet (erpo_jax has "
+                         "no checkpoint loader); omit it to inspect a random model.")
+    cfg_model = PRESETS[args.preset]
+    params = random_params(cfg_model, args.seed)
+    norm_const = args.seq_sum_norm_const
+    if args.agg_mode == "seq_sum_norm" and norm_const is None:
+        norm_const = float(args.response_width)
+    try:
+        loss_cfg = LossConfig(beta_policy=args.beta_policy, beta_query=args.beta_query,
+                              entropy_coef=args.entropy_coef,
+                              policy_kl_estimator=args.policy_kl_estimator,
+                              query_kl_estimator=args.query_kl_estimator,
+                              agg_mode=args.agg_mode, seq_sum_norm_const=norm_const)
+    except ValueError as e:
+        raise SystemExit(f"inspect-grads: {e}") from None
+    batch = synthetic_batch(params, cfg_model, args.seed, num_queries=args.queries,
+                            group_size=args.group_size, query_width=args.query_width,
+                            response_width=args.response_width, temperature=args.temperature,
+                            with_ref_logp=loss_cfg.needs_ref_logp or args.unit)
+    report = inspect_gradients(params, cfg_model, batch, loss_cfg, args.temperature, args.unit)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            clean = {**report, "cosine": {k: None if math.isnan(v) else v
+                                          for k, v in report["cosine"].items()}}
+            json.dump(clean, f, indent=2)
+    return report
+
+
+def main(argv=None) -> dict:
+    """Standalone entry point: `python -m erpo_jax.rl.grad_flow [options]`."""
+    p = argparse.ArgumentParser(prog="inspect-grads", description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
