@@ -5,6 +5,7 @@ and `loss_fn` (one chunked forward) against `loss_from_stats` on full logits."""
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,44 +163,58 @@ def test_qkl_uses_temperature_one():
 # ----------------------------------------------------------------------------- values
 
 
-def _hand_batch(x_rows, old=None, adv=None, weight=None, T1=4):
-    """One response per row; pg at ratio 1 equals x when advantages are -x per token."""
-    N = len(x_rows)
-    rm = np.zeros((N, T1), bool)
-    adv_tok = np.zeros((N, T1), np.float32)
+HAND_N, HAND_T1 = 4, 4  # every hand-computed batch has this shape (eager ops compile once)
+
+
+def _pad(a, dtype=np.float32):
+    """Zero-pad the leading axis of `a` to HAND_N rows."""
+    a = np.asarray(a, dtype)
+    return np.concatenate([a, np.zeros((HAND_N - len(a),) + a.shape[1:], dtype)])
+
+
+def _hand_batch(x_rows, adv=None, weight=None):
+    """Rows of response lengths len(x_rows[n]) (missing rows have no response). With
+    the default per-token advantages -x and ratio 1, the PG loss of a token is x."""
+    rm = np.zeros((HAND_N, HAND_T1), bool)
+    adv_tok = np.zeros((HAND_N, HAND_T1), np.float32)
     for n, xs in enumerate(x_rows):
         rm[n, :len(xs)] = True
         adv_tok[n, :len(xs)] = -np.asarray(xs)
-    z = np.zeros((N, T1), np.float32)
-    batch = RLBatch(tokens=np.ones((N, T1 + 1), np.int32), attn_mask=np.ones((N, T1 + 1), bool),
-                    query_mask=np.zeros((N, T1), bool), response_mask=rm,
-                    old_logp=z if old is None else old,
-                    advantages=adv_tok if adv is None else adv, ref_query_logp=z,
-                    query_weight=np.ones(N, np.float32) if weight is None else weight,
-                    group_id=np.arange(N, dtype=np.int32))
+    z = np.zeros((HAND_N, HAND_T1), np.float32)
+    batch = RLBatch(tokens=np.ones((HAND_N, HAND_T1 + 1), np.int32),
+                    attn_mask=np.ones((HAND_N, HAND_T1 + 1), bool),
+                    query_mask=np.zeros((HAND_N, HAND_T1), bool), response_mask=rm,
+                    old_logp=z, advantages=adv_tok if adv is None else _pad(adv),
+                    ref_query_logp=z,
+                    query_weight=np.ones(HAND_N) if weight is None else _pad(weight),
+                    group_id=np.arange(HAND_N, dtype=np.int32))
     return as_jax(batch)
 
 
-def _stats(logp):
-    logp = jnp.asarray(logp, jnp.float32)
-    return TokenLogprobs(logp, jnp.zeros_like(logp), logp)
+def _stats(logp, entropy=None):
+    logp = jnp.asarray(_pad(logp))
+    ent = jnp.zeros_like(logp) if entropy is None else jnp.asarray(_pad(entropy))
+    return TokenLogprobs(logp, ent, logp)
 
 
 def test_aggregation_modes_hand_computed():
-    batch = _hand_batch([[1.0], [2.0, 4.0], [3.0, 3.0, 6.0]])
-    st = _stats(np.zeros((3, 4)))
+    # Response lengths 1, 2, 3 and an empty row; per-token PG values x.
+    batch = _hand_batch([[1.0], [2.0, 4.0], [3.0, 3.0, 6.0], []])
+    st = _stats(np.zeros((HAND_N, HAND_T1)))
     agg = lambda mode, **kw: float(loss_from_stats(st, batch, LossConfig(agg_mode=mode, **kw))[0])
     assert agg("token_mean") == pytest.approx(19 / 6, rel=1e-6)
+    # the empty row is not a sequence to average over ...
     assert agg("seq_mean_token_mean") == pytest.approx((1 + 3 + 4) / 3, rel=1e-6)
-    assert agg("seq_sum_norm", seq_sum_norm_const=4.0) == pytest.approx(19 / 12, rel=1e-6)
-    weighted = batch._replace(query_weight=jnp.array([2.0, 1.0, 0.5]))
+    # ... but Dr. GRPO divides by the constant N * C whatever the lengths
+    assert agg("seq_sum_norm", seq_sum_norm_const=4.0) == pytest.approx(19 / (4 * 4), rel=1e-6)
+    weighted = batch._replace(query_weight=jnp.array([2.0, 1.0, 0.5, 1.0]))
     w = float(loss_from_stats(st, weighted, LossConfig(agg_mode="seq_mean_token_mean"))[0])
     assert w == pytest.approx((2 * 1 + 3 + 0.5 * 4) / 3, rel=1e-6)
 
 
 def test_pg_surrogate_clip_and_dual_clip():
     ratio = np.array([[1.5, 0.5, 1.1, 5.0]])
-    batch = _hand_batch([[0, 0, 0, 0]], adv=np.array([[1.0, -1.0, 1.0, -1.0]], np.float32))
+    batch = _hand_batch([[0, 0, 0, 0]], adv=[[1.0, -1.0, 1.0, -1.0]])
     st = _stats(np.log(ratio))
     loss, m = loss_from_stats(st, batch, LossConfig())
     # per token: -min(1.5, 1.2) = -1.2 (clipped), max(0.5, 0.8) = 0.8 (clipped), -1.1, 5.0
@@ -213,12 +228,12 @@ def test_pg_surrogate_clip_and_dual_clip():
 
 
 def test_policy_kl_and_entropy_terms():
-    batch = _hand_batch([[0.0, 0.0], [0.0]], adv=np.zeros(2, np.float32))
-    ref = np.zeros((2, 4), np.float32)
+    batch = _hand_batch([[0.0, 0.0], [0.0]], adv=np.zeros((HAND_N, HAND_T1)))
+    ref = np.zeros((HAND_N, HAND_T1), np.float32)
     ref[0, :2] = [0.2, -1.0]
     ref[1, 0] = 1.0
     batch = batch._replace(ref_logp=jnp.asarray(ref))
-    st = TokenLogprobs(jnp.zeros((2, 4)), jnp.full((2, 4), 2.0), jnp.zeros((2, 4)))
+    st = _stats(np.zeros((HAND_N, HAND_T1)), entropy=np.full((HAND_N, HAND_T1), 2.0))
     cfg = LossConfig(beta_policy=0.5, entropy_coef=0.1)
     terms, m = loss_terms(st, batch, cfg)
     k3 = [np.exp(0.2) - 1.2, np.exp(-1.0), np.exp(1.0) - 2.0]
@@ -335,6 +350,7 @@ def test_loss_fn_matches_full_logits():
     validate_batch(_np(batch), needs_ref_logp=True)
 
     @functools.partial(jax.jit, static_argnames=("loss_cfg",))
+    @chex.assert_max_traces(n=1)
     def both(params, batch, loss_cfg):
         chunked = loss_fn(params, cfg, batch, loss_cfg, TEMP, chunk_size=4)
         logits, _ = forward(params, cfg, batch.tokens, attn_mask=batch.attn_mask)
@@ -347,3 +363,6 @@ def test_loss_fn_matches_full_logits():
     for k in m1:
         assert float(m1[k]) == pytest.approx(float(m2[k]), rel=1e-4, abs=1e-6), k
     assert float(m1["query_kl"]) > 0 and float(m1["policy_kl"]) > 0
+    # a new batch of the same shapes reuses the compiled step (no retrace)
+    (l3, _), _ = both(params, batch._replace(advantages=-batch.advantages), ERPO_ALL)
+    assert float(l3) != float(l1)

@@ -258,6 +258,15 @@ def loss_from_stats(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig):
 
     stats.logp / stats.entropy are at the sampling temperature (PG ratio,
     Policy-KL, entropy); stats.logp_t1 is at temperature 1 (Query-KL).
+
+    metrics (all without gradient): loss; pg_loss (the weighted PG term);
+    policy_kl and query_kl (each term before its coefficient; policy_kl is 0
+    when Policy-KL is not in the loss; query_kl uses the loss estimator even
+    when beta_query is 0); query_kl_k1, query_kl_k3 (drift monitors);
+    entropy (token mean over response tokens); clip_frac (response tokens
+    where the ratio clip is active); ratio_mean/min/max over response tokens;
+    approx_kl_old (k3 between the sampling and current policy); response_tokens;
+    dual_clip_frac when dual_clip is set.
     """
     terms, metrics = loss_terms(stats, batch, cfg)
     loss = terms["pg"] + terms["policy_kl"] + terms["query_kl"] + terms["entropy"]
