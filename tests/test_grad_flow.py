@@ -2,7 +2,6 @@
 
 import json
 
-import jax
 import pytest
 
 from erpo_jax.model.config import ModelConfig

@@ -44,7 +44,8 @@ def get_estimator(name: str) -> Callable[[jax.Array], jax.Array]:
     try:
         return ESTIMATORS[name]
     except KeyError:
-        raise ValueError(f"Unknown KL estimator {name!r}; choose one of {sorted(ESTIMATORS)}.") from None
+        raise ValueError(
+            f"Unknown KL estimator {name!r}; choose one of {sorted(ESTIMATORS)}.") from None
 
 
 def kl_from_diff(d: jax.Array, name: str = "k3", clamp: float | None = None) -> jax.Array:

@@ -102,7 +102,8 @@ class LossConfig:
         if self.kl_clamp is not None and not self.kl_clamp > 0:
             raise ValueError(f"LossConfig.kl_clamp must be None or > 0, got {self.kl_clamp}.")
         if self.agg_mode not in AGG_MODES:
-            raise ValueError(f"LossConfig.agg_mode is {self.agg_mode!r}; choose one of {AGG_MODES}.")
+            raise ValueError(
+                f"LossConfig.agg_mode is {self.agg_mode!r}; choose one of {AGG_MODES}.")
         if self.agg_mode == "seq_sum_norm":
             if self.seq_sum_norm_const is None or not self.seq_sum_norm_const > 0:
                 raise ValueError("LossConfig.seq_sum_norm_const must be a positive constant (e.g. "
