@@ -45,15 +45,14 @@ def _eval(args) -> int:
 
     import jax
 
-    from erpo_jax.model.sharding import Sharding, make_mesh
     from erpo_jax.train.evaluate import Evaluator, write_eval
-    from erpo_jax.train.policy import load_policy
+    from erpo_jax.train.policy import build_sharding, load_policy
     from erpo_jax.train.tasks import load_task
     cfg = _load(args)
     if args.checkpoint:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="hf",
                                                                  path=args.checkpoint))
-    sharding = Sharding(make_mesh(cfg.mesh.shape))
+    sharding = build_sharding(cfg)
     model_cfg, params, tok = load_policy(cfg, sharding)
     task = load_task(cfg, tok)
     try:

@@ -198,8 +198,8 @@ PRESETS = {
     # Tiny shapes for tests and the embedded CPU task.
     "tiny": ModelConfig(),
     # The embedded arithmetic task's model (character vocabulary padded to 64).
-    "arith-small": ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=384,
-                               num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+    "arith-small": ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=256,
+                               num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
                                max_position_embeddings=128),
     # About 25M parameters: the medium benchmark model.
     "medium-25m": ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,

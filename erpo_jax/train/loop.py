@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from erpo_jax.data.iterator import QueryBatchIterator
-from erpo_jax.model.sharding import Sharding, make_mesh
+from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import advantages as adv_lib
 from erpo_jax.rl import critic as critic_lib
 from erpo_jax.rl import reference as ref_lib
@@ -32,9 +32,9 @@ from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, save_config, validate
 from erpo_jax.train.evaluate import Evaluator, write_eval
-from erpo_jax.train.host import sample
+from erpo_jax.train.host import sample, to_host
 from erpo_jax.train.metrics import MetricsWriter
-from erpo_jax.train.policy import load_policy
+from erpo_jax.train.policy import build_sharding, load_policy
 from erpo_jax.train.tasks import Task, load_task
 
 
@@ -72,7 +72,7 @@ class Trainer:
     """Owns everything a run needs; `run()` trains to `train.steps` (resuming if it can)."""
 
     def __init__(self, cfg: RunConfig):
-        _maybe_initialize_distributed()
+        self.sharding = build_sharding(cfg)
         self.cfg = validate(cfg, jax.device_count())
         t, a, lc = cfg.train, cfg.algo, cfg.loss
         self.primary = jax.process_index() == 0
@@ -80,7 +80,6 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.primary:
             save_config(cfg, self.run_dir / "config.json")
-        self.sharding = Sharding(make_mesh(cfg.mesh.shape))
         self.model_cfg, params, self.tokenizer = load_policy(cfg, self.sharding)
         self.task: Task = load_task(cfg, self.tokenizer)
         self.G, self.B = cfg.rollout.group_size, t.batch_size
@@ -112,7 +111,7 @@ class Trainer:
         if adv_lib.needs_critic(a.advantage):
             critic = critic_lib.init_critic(self.model_cfg, jax.random.key(t.seed), params)
             critic_tx, _ = step_lib.make_optimizer(o, total, lr=a.critic_lr)
-        self.state = step_lib.init_state(params, self.tx, critic, critic_tx)
+        self.state = step_lib.init_state(params, self.tx, critic, critic_tx, self.sharding)
         self.update = step_lib.build_update(
             self.model_cfg, lc, a, self.tx, critic_tx, micro_batches=o.micro_batches,
             group_size=self.G, temperature=cfg.rollout.temperature,
@@ -168,9 +167,9 @@ class Trainer:
         ref_logp = None
         lc, a = cfg.loss, cfg.algo
         if lc.needs_ref_logp:
-            ref_logp = np.asarray(jax.device_get(self.ref_logp_fn(
+            ref_logp = to_host(self.ref_logp_fn(
                 self.ref_params, _put(batch.tokens, self.sharding),
-                _put(batch.attn_mask, self.sharding))))
+                _put(batch.attn_mask, self.sharding)))
             self.ref_forward_calls += 1
         times["time/ref"] = time.perf_counter() - t0
         shaped = jnp.asarray(rewards)
@@ -180,9 +179,9 @@ class Trainer:
                                           lc.policy_kl_estimator, lc.kl_clamp)
         critic_batch = None
         if adv_lib.needs_critic(a.advantage):
-            vals = np.asarray(jax.device_get(self.values_fn(
+            vals = to_host(self.values_fn(
                 self.state.critic, _put(batch.tokens, self.sharding),
-                _put(batch.attn_mask, self.sharding))))
+                _put(batch.attn_mask, self.sharding)))
             adv, returns = adv_lib.gae(shaped, jnp.asarray(vals), jnp.asarray(batch.response_mask),
                                        gamma=a.gamma, lam=a.lam, whiten=True)
             critic_batch = step_lib.CriticBatch(np.asarray(vals, np.float32),
@@ -263,7 +262,21 @@ class Trainer:
     def _on_sigterm(self, signum, frame):
         self._stop = True
 
-    def run(self) -> dict:
+    def _agreed_stop(self) -> bool:
+        """True when any process got SIGTERM: all must save the same step together."""
+        if jax.process_count() == 1:
+            return self._stop
+        from jax.experimental import multihost_utils
+        flags = multihost_utils.process_allgather(np.asarray([self._stop], np.int32))
+        return bool(np.any(flags))
+
+    def run(self, on_step=None) -> dict:
+        """Train from the current step to train.steps.
+
+        on_step: optional callback(step, metrics_row) after each step's metrics
+        are written (custom logging, or a test that interrupts the run).
+        Returns {'status': 'done' | 'preempted', 'step', 'eval', 'ref_forward_calls'}.
+        """
         t, cfg = self.cfg.train, self.cfg
         old = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
         bar = None
@@ -290,6 +303,8 @@ class Trainer:
                     if t.policy_kl_metric:
                         row.update(self._policy_kl_metric(batch))
                 row = self.writer.write(done, row)
+                if on_step is not None:
+                    on_step(done, row)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}",
@@ -301,8 +316,9 @@ class Trainer:
                         "left untouched by each. Lower optim.lr or check the data.")
                 if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
                     last_eval = self._evaluate(done)
-                self._save(done, force=self._stop or done == t.steps)
-                if self._stop:
+                stop = self._agreed_stop()
+                self._save(done, force=stop or done == t.steps)
+                if stop:
                     raise Preempted()
         except Preempted:
             if self.primary:
@@ -337,22 +353,14 @@ class Trainer:
         self.ckpt.close()
 
 
-def _maybe_initialize_distributed() -> None:
-    try:
-        from erpo_jax.distributed import maybe_initialize
-    except ImportError:  # erpo_jax.distributed is added by the multi-host work
-        return
-    maybe_initialize()
-
-
 def _main_thread() -> bool:
     import threading
     return threading.current_thread() is threading.main_thread()
 
 
-def train(cfg: RunConfig) -> dict[str, Any]:
+def train(cfg: RunConfig, on_step=None) -> dict[str, Any]:
     trainer = Trainer(cfg)
     try:
-        return trainer.run()
+        return trainer.run(on_step)
     finally:
         trainer.close()

@@ -14,6 +14,15 @@ from erpo_jax.train.config import RunConfig
 from erpo_jax.train.tasks import Tokenizer, load_tokenizer
 
 
+def build_sharding(cfg: RunConfig) -> Sharding:
+    """Join the multi-host run if the environment says so, then build the mesh
+    of `cfg.mesh.shape` with each host owning a contiguous block of the batch."""
+    from erpo_jax import distributed
+    distributed.maybe_initialize()
+    data, fsdp, tensor = cfg.mesh.shape
+    return Sharding(distributed.mesh_for(data=data, fsdp=fsdp, tensor=tensor))
+
+
 def load_policy(cfg: RunConfig, sharding: Sharding | None):
     """(ModelConfig, params, Tokenizer) for `cfg.model`, parameters in their sharding."""
     m = cfg.model

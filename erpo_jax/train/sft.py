@@ -18,13 +18,12 @@ import numpy as np
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.hf import export_hf
 from erpo_jax.model.logprobs import token_logprobs
-from erpo_jax.model.sharding import Sharding, make_mesh
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, save_config, validate
 from erpo_jax.train.evaluate import Evaluator, write_eval
 from erpo_jax.train.metrics import MetricsWriter
-from erpo_jax.train.policy import load_policy
+from erpo_jax.train.policy import build_sharding, load_policy
 from erpo_jax.train.tasks import load_task
 
 MODEL_SUBDIR = "model"
@@ -60,21 +59,24 @@ def pack(seqs, plens, idx, width: int, pad_id: int):
 
 def run_sft(cfg: RunConfig) -> dict:
     """Train, evaluate, export. Resumes from `<out_dir>/checkpoints` if present."""
+    sharding = build_sharding(cfg)
     validate(cfg, jax.device_count())
     t, o = cfg.train, cfg.optim
+    if t.batch_size % sharding.data_size:
+        raise ValueError(f"config field train.batch_size: {t.batch_size} SFT sequences per step "
+                         f"are not divisible by the data-parallel size {sharding.data_size}.")
     run_dir = Path(t.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     primary = jax.process_index() == 0
     if primary:
         save_config(cfg, run_dir / "config.json")
-    sharding = Sharding(make_mesh(cfg.mesh.shape))
     model_cfg, params, tok = load_policy(cfg, sharding)
     task = load_task(cfg, tok)
     try:
         seqs, plens = sft_examples(task, tok)
         width = max(8, 1 << (max(len(s) for s in seqs) - 1).bit_length())
         tx, schedule = step_lib.make_optimizer(o, t.steps)
-        state = step_lib.init_state(params, tx)
+        state = step_lib.init_state(params, tx, sharding=sharding)
         shardings = step_lib.shardings_of(state)
 
         def loss_fn(p, tokens, attn, target):

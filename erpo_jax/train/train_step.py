@@ -63,14 +63,27 @@ def make_optimizer(o: OptimSection, total_updates: int, lr: float | None = None)
     return tx, sched
 
 
-def init_state(params, tx, critic_params=None, critic_tx=None) -> TrainState:
+def init_state(params, tx, critic_params=None, critic_tx=None,
+               sharding: Sharding | None = None) -> TrainState:
     """A fresh state; optimizer moments are created by a jitted init, so they
-    inherit the parameters' shardings (nothing is built unsharded)."""
-    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
+    inherit the parameters' shardings (nothing is built unsharded). Counters
+    are replicated over the mesh of `sharding`."""
+    where = sharding.replicated() if sharding is not None else None
+    # Distinct buffers (the state is donated), placed with the parameters.
+    zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), where)
+    def on_mesh(tree):  # constants (Adam's step count, a fresh head) sit on one device
+        if where is None:
+            return tree
+        return jax.tree_util.tree_map(
+            lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
+            else jax.device_put(x, where), tree)
+
+    critic_params = on_mesh(critic_params)
     state = TrainState(
-        step=zero(), params=params, opt_state=jax.jit(tx.init)(params),
+        step=zero(), params=params, opt_state=on_mesh(jax.jit(tx.init)(params)),
         critic=critic_params,
-        critic_opt=None if critic_params is None else jax.jit(critic_tx.init)(critic_params),
+        critic_opt=None if critic_params is None else on_mesh(jax.jit(critic_tx.init)(
+            critic_params)),
         nonfinite=zero(), skipped=zero())
     # Commit every leaf to its sharding now, so the first update compiles once
     # (its outputs carry these shardings; uncommitted inputs would retrace).
@@ -171,7 +184,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
         grads = acc["grads"]
         if nan_injector is not None:
             grads = nan_injector(grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(acc["loss"]) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -187,7 +200,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
             cu, new_copt = critic_tx.update(cgrads, state.critic_opt, state.critic)
             critic = _select(ok & c_ok, optax.apply_updates(state.critic, cu), state.critic)
             critic_opt = _select(ok & c_ok, new_copt, state.critic_opt)
-            out_metrics["critic_grad_norm"] = optax.global_norm(cgrads)
+            out_metrics["critic_grad_norm"] = optax.tree.norm(cgrads)
         out_metrics.update(loss=acc["loss"], grad_norm=grad_norm,
                            update_skipped=(~ok).astype(jnp.float32))
         new_state = TrainState(
