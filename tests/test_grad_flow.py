@@ -2,6 +2,8 @@
 
 import json
 
+import jax
+
 import pytest
 
 from erpo_jax.model.config import ModelConfig
@@ -68,7 +70,7 @@ def test_cli_main(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["terms"]["pg"]["logit_grad_query"] == 0.0
     assert saved["loss_config"]["beta_query"] == 0.1
-    with pytest.raises(SystemExit, match="checkpoint"):
+    with pytest.raises(SystemExit, match="cannot load --checkpoint.*no config.json"):
         grad_flow.main(CLI_ARGS + ["--checkpoint", "/nonexistent"])
     with pytest.raises(SystemExit, match="LossConfig.seq_sum_norm_const"):
         grad_flow.main(CLI_ARGS + ["--agg-mode", "seq_sum_norm", "--seq-sum-norm-const", "0"])
@@ -82,3 +84,14 @@ def test_add_parser_registers_subcommand():
     args = parser.parse_args(["inspect-grads", "--beta-query", "0.3", "--unit"])
     assert args.func is grad_flow.run and args.beta_query == 0.3 and args.unit
     assert {"checkpoint", "preset", "temperature", "agg_mode"} <= set(vars(args))
+
+
+def test_cli_loads_an_hf_checkpoint(tmp_path):
+    from erpo_jax.model import model as model_lib
+    from erpo_jax.model.config import PRESETS
+    from erpo_jax.model.hf import export_hf
+    cfg = PRESETS["tiny"]
+    export_hf(model_lib.init_params(cfg, jax.random.key(5)), cfg, tmp_path / "ckpt")
+    rep = grad_flow.main(CLI_ARGS + ["--checkpoint", str(tmp_path / "ckpt")])
+    assert rep["terms"]["query_kl"]["logit_grad_response"] == 0.0
+    assert rep["terms"]["query_kl"]["logit_grad_query"] > 0.0

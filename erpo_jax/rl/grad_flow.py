@@ -137,7 +137,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None,
-                   help="policy checkpoint (not supported yet; omit for a tiny random model)")
+                   help="an HF-format policy directory (e.g. an SFT run's model/); "
+                        "default: a random model of --preset")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="model shape for the random model")
     p.add_argument("--seed", type=int, default=0)
@@ -164,10 +165,14 @@ def run(args: argparse.Namespace) -> dict:
     from erpo_jax.rl.synthetic import random_params, synthetic_batch
 
     if args.checkpoint is not None:
-        raise SystemExit("inspect-grads: loading --checkpoint is not available yet (erpo_jax has "
-                         "no checkpoint loader); omit it to inspect a random model.")
-    cfg_model = PRESETS[args.preset]
-    params = random_params(cfg_model, args.seed)
+        from erpo_jax.model.hf import load_hf
+        try:
+            cfg_model, params = load_hf(args.checkpoint, param_dtype="float32")
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"inspect-grads: cannot load --checkpoint: {e}") from None
+    else:
+        cfg_model = PRESETS[args.preset]
+        params = random_params(cfg_model, args.seed)
     norm_const = args.seq_sum_norm_const
     if args.agg_mode == "seq_sum_norm" and norm_const is None:
         norm_const = float(args.response_width)
