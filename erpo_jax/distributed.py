@@ -419,3 +419,26 @@ def global_batch(local: Any, sharding: NamedSharding | Any, global_batch_size: i
                              f"{global_batch_size}.")
         out.append(jax.make_array_from_process_local_data(s, x, shape))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------- reading back
+
+
+def to_host(tree: Any) -> Any:
+    """numpy copies of every array leaf. Arrays spread over several processes
+    are gathered, so every process gets the whole global value."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable \
+                and not x.is_fully_replicated:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x) if isinstance(x, (jax.Array, np.ndarray)) else x
+    return jax.tree_util.tree_map(one, tree)
+
+
+def broadcast_from_primary(tree: Any) -> Any:
+    """Process 0's numpy values on every process (identity on one process)."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+    return jax.tree_util.tree_map(np.asarray, multihost_utils.broadcast_one_to_all(tree))

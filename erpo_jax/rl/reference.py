@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from erpo_jax.distributed import broadcast_from_primary, to_host
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding
@@ -95,7 +96,7 @@ def params_digest(params: Any) -> str:
     """blake2b of every parameter leaf (path, dtype, shape and bytes)."""
     h = hashlib.blake2b(digest_size=20)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        arr = np.asarray(jax.device_get(leaf))
+        arr = to_host(leaf)
         h.update(jax.tree_util.keystr(path).encode())
         h.update(f"{arr.dtype}{arr.shape}".encode())
         h.update(np.ascontiguousarray(arr).view(np.uint8).data)
@@ -162,7 +163,10 @@ def compute_reference(params, cfg: ModelConfig, queries: Sequence[Sequence[int]]
             tokens[r, width - lengths[q]:] = queries[q]
             mask[r, width - lengths[q]:] = True
         mask[len(idx):, -1] = True  # filler rows: one real token, ignored
-        lp = np.asarray(run(params, jnp.asarray(tokens), jnp.asarray(mask)))
+        if sharding is not None:
+            rows = sharding.named(("batch", None))
+            tokens, mask = jax.device_put(tokens, rows), jax.device_put(mask, rows)
+        lp = to_host(run(params, jnp.asarray(tokens), jnp.asarray(mask)))
         for r, q in enumerate(idx):
             n = lengths[q] - 1
             flat[offsets[q]:offsets[q + 1]] = lp[r, width - 1 - n:width - 1]
@@ -174,15 +178,27 @@ def load_or_compute(params, cfg: ModelConfig, queries: Sequence[Sequence[int]], 
                     **kwargs) -> tuple[ReferenceCache, bool]:
     """(cache, computed): reuse the on-disk cache whose key matches, else compute it.
 
-    Only process 0 writes the file (atomic rename), so a multi-host run shares it.
+    Only process 0 reads and writes the file (atomic rename); in a multi-host
+    run it broadcasts what it read.
     """
     params_hash = params_hash or params_digest(params)
     key = cache_key(params_hash, tokenizer_id, template, queries)
     path = Path(cache_dir) / f"refpass-{key[:24]}.npz"
-    if path.is_file():
+    # Process 0 decides and shares what it read: every process must run the
+    # same jitted programs, and worker disks need not hold the file.
+    found = np.zeros(1, np.int32)
+    logp = offsets = None
+    if jax.process_index() == 0 and path.is_file():
         with np.load(path, allow_pickle=False) as f:
             if str(f["key"]) == key and len(f["offsets"]) == len(queries) + 1:
-                return ReferenceCache(f["logp"], f["offsets"], key), False
+                found[0], logp, offsets = 1, f["logp"], f["offsets"]
+    if int(broadcast_from_primary(found)[0]):
+        if jax.process_count() > 1:
+            n_flat = int(broadcast_from_primary(np.asarray([0 if logp is None else len(logp)]))[0])
+            logp = broadcast_from_primary(logp if logp is not None else np.zeros(n_flat, np.float32))
+            offsets = broadcast_from_primary(offsets if offsets is not None
+                                             else np.zeros(len(queries) + 1, np.int64))
+        return ReferenceCache(logp, offsets, key), False
     cache = compute_reference(params, cfg, queries, key=key, **kwargs)
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Moving results from the mesh to every host's numpy, single- or multi-host."""
+"""Sampling onto every host's numpy, single- or multi-host."""
 
 from __future__ import annotations
 
@@ -7,16 +7,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-
-def to_host(tree: Any) -> Any:
-    """numpy copies of every array leaf; arrays spread over several processes
-    are gathered (each process gets the whole global value)."""
-    def one(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x) if isinstance(x, (jax.Array, np.ndarray)) else x
-    return jax.tree_util.tree_map(one, tree)
+from erpo_jax.distributed import to_host
 
 
 def sample(sampler, params, prompts: Sequence[Sequence[int]], key: jax.Array):

@@ -32,7 +32,8 @@ from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, save_config, validate
 from erpo_jax.train.evaluate import Evaluator, write_eval
-from erpo_jax.train.host import sample, to_host
+from erpo_jax.distributed import to_host
+from erpo_jax.train.host import sample
 from erpo_jax.train.metrics import MetricsWriter
 from erpo_jax.train.policy import build_sharding, load_policy
 from erpo_jax.train.tasks import Task, load_task
@@ -241,18 +242,18 @@ class Trainer:
         qmask, _ = masks_from_layout(mask, width)
         idx = [min(i, n - 1) for i in range(rows)]
         ref = self.drift_cache.batch_layout(idx, width, width)
-        lp = self.t1_logp_fn(self.state.params, _put(tokens, self.sharding),
-                             _put(mask, self.sharding))
+        lp = to_host(self.t1_logp_fn(self.state.params, _put(tokens, self.sharding),
+                                     _put(mask, self.sharding)))
         gid = jnp.asarray(idx, jnp.int32)
-        args = (lp, jnp.asarray(ref), jnp.asarray(qmask), gid)
+        args = (jnp.asarray(lp), jnp.asarray(ref), jnp.asarray(qmask), gid)
         return {"drift/qkl_k3": float(query_kl(*args, "k3")),
                 "drift/qkl_k1": float(query_kl(*args, "k1"))}
 
     def _policy_kl_metric(self, batch: RLBatch) -> dict:
         from erpo_jax.rl.kl import kl_estimate
         tok, m = _put(batch.tokens, self.sharding), _put(batch.attn_mask, self.sharding)
-        ref = self.ref_logp_fn(self.ref_params, tok, m)
-        cur = self.ref_logp_fn(self.state.params, tok, m)
+        ref = jnp.asarray(to_host(self.ref_logp_fn(self.ref_params, tok, m)))
+        cur = jnp.asarray(to_host(self.ref_logp_fn(self.state.params, tok, m)))
         rm = jnp.asarray(batch.response_mask)
         k = kl_estimate(cur, ref, "k3", rm)
         return {"drift/policy_kl_k3": float(jnp.sum(k) / jnp.maximum(jnp.sum(rm), 1))}

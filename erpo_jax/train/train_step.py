@@ -21,6 +21,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from erpo_jax.model.config import ModelConfig
@@ -70,13 +71,13 @@ def init_state(params, tx, critic_params=None, critic_tx=None,
     are replicated over the mesh of `sharding`."""
     where = sharding.replicated() if sharding is not None else None
     # Distinct buffers (the state is donated), placed with the parameters.
-    zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), where)
+    zero = lambda: jax.device_put(np.zeros((), np.int32), where)
     def on_mesh(tree):  # constants (Adam's step count, a fresh head) sit on one device
         if where is None:
             return tree
         return jax.tree_util.tree_map(
             lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
-            else jax.device_put(x, where), tree)
+            else jax.device_put(np.asarray(x), where), tree)
 
     critic_params = on_mesh(critic_params)
     state = TrainState(
