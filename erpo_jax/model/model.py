@@ -138,10 +138,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if layer_cache is not None:
-            ck, cv = layer_cache
-            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
-            new_cache = (k, v)
+            # Write this layer's new keys/values into the all-layer cache in
+            # place and read the layer back; the cache is a scan carry, so no
+            # per-step copy of the whole cache (see Transformer.hidden).
+            ck, cv, layer = layer_cache
+            at = (layer, 0, cache_index, 0, 0)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], at)
+            k = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False)
+            v = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False)
+            new_cache = (ck, cv, layer)
         else:
             new_cache = None
         if self.sharding is not None:
@@ -177,14 +183,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer; the scan body (carry = hidden states)."""
+    """One pre-norm decoder layer; the scan body.
+
+    carry = (x, cache): hidden states and either None or (k [L,B,S,N,K],
+    v [L,B,S,N,K], layer int32[]). The whole cache rides in the carry and is
+    updated in place at [layer, :, cache_index]: scanning it as per-layer xs/ys
+    would make XLA copy every layer's cache on every decode step.
+    """
 
     cfg: ModelConfig
     sharding: Sharding | None = None
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, bias, cache_index):
+    def __call__(self, carry, cos, sin, bias, cache_index):
         cfg = self.cfg
+        x, layer_cache = carry
         h, new_cache = Attention(cfg, self.sharding, name="attn")(
             RMSNorm(cfg, cfg.hidden_size, name="input_norm")(x), cos, sin, bias, layer_cache,
             cache_index)
@@ -193,7 +206,9 @@ class Block(nn.Module):
             RMSNorm(cfg, cfg.hidden_size, name="post_attn_norm")(x))
         if self.sharding is not None:
             x = self.sharding.constrain(x, ("batch", "length", "act_embed"))
-        return x, new_cache
+        if new_cache is not None:
+            new_cache = (new_cache[0], new_cache[1], new_cache[2] + 1)
+        return (x, new_cache), None
 
 
 class Transformer(nn.Module):
@@ -211,7 +226,7 @@ class Transformer(nn.Module):
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, self.sharding, name="layers")
@@ -237,11 +252,11 @@ class Transformer(nn.Module):
             index = cache.index
             q_slot = index + jnp.arange(T)
             key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, index))
-            layer_caches = (cache.k, cache.v)
+            layer_caches = (cache.k, cache.v, jnp.zeros((), jnp.int32))
         k_slot = jnp.arange(key_valid.shape[1])
         allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]
         bias = jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)  # [B, T, S]
-        x, new_layer_caches = self.layers(x, layer_caches, cos, sin, bias, index)
+        (x, new_layer_caches), _ = self.layers((x, layer_caches), cos, sin, bias, index)
         x = self.final_norm(x)
         new_cache = None
         if cache is not None:
