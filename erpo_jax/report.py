@@ -3,12 +3,20 @@
 A run directory holds config.json, metrics.jsonl and evals.jsonl. Runs are
 grouped into methods by their config `name` (seeds of one method share it);
 each table cell is the mean over seeds with a 95% confidence interval
-(Student t), and each plot has one line per method with a band over seeds.
+(Student t), and each plot has one line per method (the mean over seeds) with
+a band from the lowest to the highest seed.
 
-Collapse. A run collapses when, after its best held-out accuracy, the
-accuracy falls by more than `collapse_drop` (absolute) from that best, or
-when the response entropy falls below `entropy_floor`. Both thresholds are
-printed with the table.
+Collapse. A run collapses at the first evaluation whose held-out accuracy
+(greedy pass@1, average over the evaluation sets) is more than
+`collapse_drop` (absolute) below the best accuracy the run had reached so
+far, or at the first step whose response entropy is below `entropy_floor`.
+Both thresholds are printed with the table.
+
+Effect sizes. For a pair (method A, baseline B): the difference of the seed
+means of a quantity, mean(A) - mean(B), with a 95% Welch confidence interval,
+next to the seed noise: the pooled standard deviation over seeds of the two
+methods and the difference in units of it (Cohen's d). A difference whose
+interval contains 0 is not resolved by these seeds.
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-PLOT_KEYS = (("accuracy", "train accuracy"), ("reward_mean", "reward"),
-             ("drift/qkl_k3", "query drift (QKL k3, held-out)"), ("entropy", "response entropy"),
-             ("response_len_mean", "response length"))
+EVAL_KEY = "eval/average"  # held-out greedy pass@1, averaged over the evaluation sets
+PLOT_KEYS = ((EVAL_KEY, "held-out accuracy (greedy pass@1, mean of sets)"),
+             ("accuracy", "train accuracy (sampled)"), ("reward_mean", "reward"),
+             ("drift/qkl_k3", "query drift (QKL k3, held-out queries)"),
+             ("entropy", "response entropy"), ("response_len_mean", "response length"))
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
@@ -39,21 +49,74 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
             "metrics": read("metrics.jsonl"), "evals": read("evals.jsonl")}
 
 
+def expand_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+    """Run directories; a directory without config.json stands for its `*/seed*` runs."""
+    out = []
+    for p in map(Path, paths):
+        if (p / "config.json").is_file():
+            out.append(p)
+        else:
+            found = sorted(q.parent for q in p.glob("*/seed*/config.json"))
+            if not found:
+                raise ValueError(f"{p} is neither a run directory nor holds <variant>/seed<k> "
+                                 "run directories.")
+            out += found
+    return out
+
+
+def _finite(values: Sequence[float | None]) -> np.ndarray:
+    return np.asarray([x for x in values if isinstance(x, (int, float)) and np.isfinite(x)],
+                      np.float64)
+
+
+def _t975(df: float) -> float:
+    from scipy import stats
+    return float(stats.t.ppf(0.975, df))
+
+
 def mean_ci(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% confidence interval); 0 width for one value."""
-    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], np.float64)
+    """(mean, half-width of the 95% confidence interval); NaN width for one value."""
+    v = _finite(values)
     if v.size == 0:
         return float("nan"), float("nan")
     if v.size == 1:
-        return float(v[0]), 0.0
-    from scipy import stats
-    half = stats.t.ppf(0.975, v.size - 1) * v.std(ddof=1) / math.sqrt(v.size)
+        return float(v[0]), float("nan")
+    half = _t975(v.size - 1) * v.std(ddof=1) / math.sqrt(v.size)
     return float(v.mean()), float(half)
 
 
+def effect(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """mean(a) - mean(b), its 95% Welch CI half-width, pooled seed SD and Cohen's d.
+
+    NaN where the seeds do not allow it (fewer than 2 per side for the CI).
+    """
+    a, b = _finite(a), _finite(b)
+    nan = float("nan")
+    if a.size == 0 or b.size == 0:
+        return {"diff": nan, "half": nan, "sd": nan, "d": nan, "n": (a.size, b.size)}
+    diff = float(a.mean() - b.mean())
+    half = sd = d = nan
+    if a.size > 1 and b.size > 1:
+        va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+        se = math.sqrt(va + vb)
+        if se > 0:
+            df = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
+            half = _t975(df) * se
+        else:
+            half = 0.0
+        sd = math.sqrt(((a.size - 1) * a.var(ddof=1) + (b.size - 1) * b.var(ddof=1))
+                       / (a.size + b.size - 2))
+        d = diff / sd if sd > 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
+    return {"diff": diff, "half": half, "sd": sd, "d": d, "n": (a.size, b.size)}
+
+
 def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
-    rows = [(m["step"], m[key]) for m in run["metrics"]
-            if isinstance(m.get(key), (int, float))]
+    """(steps, values) of a metrics key, or of EVAL_KEY from evals.jsonl."""
+    if key == EVAL_KEY:
+        rows = [(e["step"], e["average"].get("greedy_acc")) for e in run["evals"]]
+    else:
+        rows = [(m["step"], m.get(key)) for m in run["metrics"]]
+    rows = [(s, v) for s, v in rows if isinstance(v, (int, float))]
     if not rows:
         return np.zeros(0), np.zeros(0)
     s, v = zip(*rows)
@@ -72,15 +135,24 @@ def eval_table(run: dict) -> dict[str, dict[str, float]]:
     return {"initial": per[0], "final": per[-1], "best": best}
 
 
+def collapse_step(run: dict, collapse_drop: float, entropy_floor: float) -> int | None:
+    """The first step at which the run collapsed (module docstring), or None."""
+    steps = []
+    best = -math.inf
+    for s, acc in zip(*series(run, EVAL_KEY)):
+        best = max(best, acc)
+        if best - acc > collapse_drop:
+            steps.append(int(s))
+            break
+    s, ent = series(run, "entropy")
+    low = np.flatnonzero(ent < entropy_floor)
+    if low.size:
+        steps.append(int(s[low[0]]))
+    return min(steps) if steps else None
+
+
 def collapsed(run: dict, collapse_drop: float, entropy_floor: float) -> bool:
-    per = [e["average"].get("greedy_acc") for e in run["evals"]]
-    per = [p for p in per if p is not None]
-    if per:
-        best_i = int(np.argmax(per))
-        if any(per[best_i] - p > collapse_drop for p in per[best_i:]):
-            return True
-    _, ent = series(run, "entropy")
-    return bool(ent.size and np.nanmin(ent) < entropy_floor)
+    return collapse_step(run, collapse_drop, entropy_floor) is not None
 
 
 def group(runs: Sequence[dict]) -> dict[str, list[dict]]:
@@ -90,35 +162,128 @@ def group(runs: Sequence[dict]) -> dict[str, list[dict]]:
     return dict(out)
 
 
-def fmt(mean: float, half: float, pct: bool = True) -> str:
+def fmt(mean: float, half: float, pct: bool = True, digits: int = 1) -> str:
     if not np.isfinite(mean):
         return "n/a"
     scale = 100.0 if pct else 1.0
-    return f"{mean * scale:.1f} ± {half * scale:.1f}" if half else f"{mean * scale:.1f}"
+    m = f"{mean * scale:.{digits}f}"
+    return f"{m} ± {half * scale:.{digits}f}" if np.isfinite(half) else m
 
 
-def markdown(runs: Sequence[dict], collapse_drop: float = 0.15,
-             entropy_floor: float = 0.05) -> str:
-    methods = group(runs)
+def _last(run: dict, key: str) -> float | None:
+    v = series(run, key)[1]
+    return float(v[-1]) if v.size else None
+
+
+# Quantities an effect can be computed on: label -> (per-run value, in percent?).
+QUANTITIES = {
+    "final avg acc": (lambda r: eval_table(r).get("final", {}).get("average"), True),
+    "best avg acc": (lambda r: eval_table(r).get("best", {}).get("average"), True),
+    "final drift (QKL k3)": (lambda r: _last(r, "drift/qkl_k3"), False),
+    "final entropy": (lambda r: _last(r, "entropy"), False),
+}
+
+
+def _drift_digits(values) -> int:
+    v = _finite(values)
+    return 1 if v.size == 0 or np.max(np.abs(v)) >= 1 else 3
+
+
+def accuracy_table(runs: Sequence[dict]) -> list[str]:
     sets = sorted({k for r in runs for k in eval_table(r).get("final", {}) if k != "average"})
     lines = ["| method | seeds | initial avg | final avg | best avg | "
-             + " | ".join(f"final {s}" for s in sets) + " | final drift (QKL k3) | collapses |",
-             "|" + "---|" * (6 + len(sets) + 1)]
-    for name, rs in methods.items():
-        tabs = [eval_table(r) for r in rs]
-        tabs = [t for t in tabs if t]
+             + " | ".join(f"final {s}" for s in sets) + " |",
+             "|" + "---|" * (5 + len(sets))]
+    for name, rs in group(runs).items():
+        tabs = [t for t in (eval_table(r) for r in rs) if t]
         cell = lambda part, key: fmt(*mean_ci([t[part].get(key, np.nan) for t in tabs]))
-        drift = [series(r, "drift/qkl_k3")[1][-1] for r in rs if series(r, "drift/qkl_k3")[1].size]
-        n_col = sum(collapsed(r, collapse_drop, entropy_floor) for r in rs)
         lines.append(f"| {name} | {len(rs)} | {cell('initial', 'average')} | "
                      f"{cell('final', 'average')} | {cell('best', 'average')} | "
-                     + " | ".join(cell("final", s) for s in sets)
-                     + f" | {fmt(*mean_ci(drift), pct=False) if drift else 'n/a'} | "
-                     f"{n_col}/{len(rs)} |")
-    lines.append("")
-    lines.append(f"Accuracies are greedy pass@1 in percent, mean ± 95% CI over seeds. A collapse "
-                 f"is an accuracy drop of more than {collapse_drop * 100:.0f} points below the "
-                 f"run's best, or response entropy below {entropy_floor}.")
+                     + " | ".join(cell("final", s) for s in sets) + " |")
+    return lines
+
+
+def stability_table(runs: Sequence[dict], collapse_drop: float,
+                    entropy_floor: float) -> list[str]:
+    lines = ["| method | collapses | collapse steps | final drift (QKL k3) | max drift | "
+             "final entropy | min entropy | final response length |",
+             "|" + "---|" * 8]
+    for name, rs in group(runs).items():
+        steps = [collapse_step(r, collapse_drop, entropy_floor) for r in rs]
+        drift = [_last(r, "drift/qkl_k3") for r in rs]
+        maxdrift = [float(np.max(series(r, "drift/qkl_k3")[1]))
+                    if series(r, "drift/qkl_k3")[1].size else None for r in rs]
+        ent = [_last(r, "entropy") for r in rs]
+        minent = [float(np.min(series(r, "entropy")[1])) if series(r, "entropy")[1].size
+                  else None for r in rs]
+        length = [_last(r, "response_len_mean") for r in rs]
+        dd = _drift_digits(drift + maxdrift)
+        lines.append(
+            f"| {name} | {sum(s is not None for s in steps)}/{len(rs)} | "
+            f"{', '.join(str(s) for s in steps if s is not None) or '-'} | "
+            f"{fmt(*mean_ci(drift), pct=False, digits=dd)} | "
+            f"{fmt(*mean_ci(maxdrift), pct=False, digits=dd)} | "
+            f"{fmt(*mean_ci(ent), pct=False, digits=3)} | "
+            f"{fmt(*mean_ci(minent), pct=False, digits=3)} | "
+            f"{fmt(*mean_ci(length), pct=False)} |")
+    return lines
+
+
+def cost_table(runs: Sequence[dict]) -> list[str]:
+    """Seconds per RL step (mean over steps, then over seeds) by phase."""
+    keys = ("time/rollout", "time/ref", "time/update")
+    lines = ["| method | rollout s/step | reference forward s/step | update s/step | "
+             "total s/step |", "|" + "---|" * 5]
+    for name, rs in group(runs).items():
+        per = {k: [float(np.mean(series(r, k)[1])) if series(r, k)[1].size else None
+                   for r in rs] for k in keys}
+        tot = [sum(v) if all(x is not None for x in v) else None
+               for v in zip(*(per[k] for k in keys))]
+        lines.append(f"| {name} | " + " | ".join(fmt(*mean_ci(per[k]), pct=False, digits=3)
+                                                for k in keys)
+                     + f" | {fmt(*mean_ci(tot), pct=False, digits=3)} |")
+    return lines
+
+
+def effect_table(runs: Sequence[dict], comparisons: Sequence[tuple[str, str]]) -> list[str]:
+    by = group(runs)
+    lines = ["| comparison | quantity | difference (95% CI) | seed SD | d = diff / SD | seeds |",
+             "|" + "---|" * 6]
+    for a, b in comparisons:
+        if a not in by or b not in by:
+            continue
+        for label, (fn, pct) in QUANTITIES.items():
+            e = effect([fn(r) for r in by[a]], [fn(r) for r in by[b]])
+            if not np.isfinite(e["diff"]):
+                continue
+            scale = 100.0 if pct else 1.0
+            digits = 1 if pct else 3
+            ci = ("n/a" if not np.isfinite(e["half"]) else
+                  f"[{(e['diff'] - e['half']) * scale:+.{digits}f}, "
+                  f"{(e['diff'] + e['half']) * scale:+.{digits}f}]")
+            sd = "n/a" if not np.isfinite(e["sd"]) else f"{e['sd'] * scale:.{digits}f}"
+            d = "n/a" if not np.isfinite(e["d"]) and not np.isinf(e["d"]) else f"{e['d']:+.2f}"
+            lines.append(f"| {a} − {b} | {label} | {e['diff'] * scale:+.{digits}f} {ci} | "
+                         f"{sd} | {d} | {e['n'][0]} vs {e['n'][1]} |")
+    return lines
+
+
+def markdown(runs: Sequence[dict], collapse_drop: float = 0.15, entropy_floor: float = 0.05,
+             comparisons: Sequence[tuple[str, str]] = ()) -> str:
+    lines = accuracy_table(runs)
+    lines += ["", "Accuracies are held-out greedy pass@1 in percent, mean ± 95% CI over seeds "
+              "(Student t; no ± with one seed).", "", "Stability and drift:", ""]
+    lines += stability_table(runs, collapse_drop, entropy_floor)
+    lines += ["", f"A collapse is an evaluation whose accuracy is more than "
+              f"{collapse_drop * 100:.0f} points below the run's best so far, or a step whose "
+              f"response entropy is below {entropy_floor}; 'collapse steps' lists the first "
+              "such step of each collapsed run.", "", "Cost per RL step (seconds):", ""]
+    lines += cost_table(runs)
+    eff = effect_table(runs, comparisons)
+    if len(eff) > 2:
+        lines += ["", "Effect sizes against seed noise (difference of seed means, accuracy in "
+                  "points; 95% Welch CI; seed SD is the pooled standard deviation over seeds):",
+                  ""] + eff
     return "\n".join(lines)
 
 
@@ -141,14 +306,15 @@ def plot(runs: Sequence[dict], out_dir: str | Path, keys=PLOT_KEYS) -> list[Path
             n = min(len(c[0]) for c in curves)
             steps = curves[0][0][:n]
             vals = np.stack([c[1][:n] for c in curves])
-            ax.plot(steps, vals.mean(0), label=name)
+            line, = ax.plot(steps, vals.mean(0), label=f"{name} (n={len(curves)})")
             if len(curves) > 1:
-                ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.2)
+                ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.2,
+                                color=line.get_color())
             drawn = True
         if drawn:
             ax.set_xlabel("RL step")
             ax.set_title(title)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
             fig.tight_layout()
             path = out_dir / f"{key.replace('/', '_')}.png"
             fig.savefig(path, dpi=100)
@@ -159,11 +325,13 @@ def plot(runs: Sequence[dict], out_dir: str | Path, keys=PLOT_KEYS) -> list[Path
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str = "Report",
                  **kw) -> Path:
+    """REPORT.md (tables, then the plots) and one PNG per plotted key in `out_dir`."""
     runs = [load_run(d) for d in run_dirs]
     out_dir = Path(out_dir)
     pngs = plot(runs, out_dir)
     text = [f"# {title}", "", markdown(runs, **kw), ""]
     text += [f"![{p.stem}]({p.name})" for p in pngs]
+    text += ["", "Runs:", ""] + [f"- `{r['dir']}`" for r in runs]
     path = out_dir / "REPORT.md"
     path.write_text("\n".join(text) + "\n")
     return path
@@ -171,16 +339,26 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("report", help="markdown tables and PNG plots from run directories")
-    p.add_argument("runs", nargs="+", help="run directories")
+    p.add_argument("runs", nargs="+", help="run directories, or an experiment directory "
+                   "(runs/<experiment>) standing for all its <variant>/seed<k> runs")
     p.add_argument("--out", required=True, help="output directory for REPORT.md and PNGs")
     p.add_argument("--title", default="erpo-jax report")
     p.add_argument("--collapse-drop", type=float, default=0.15)
     p.add_argument("--entropy-floor", type=float, default=0.05)
+    p.add_argument("--baseline", default=None,
+                   help="method to compare every other method against (effect sizes)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    path = write_report(args.runs, args.out, args.title, collapse_drop=args.collapse_drop,
-                        entropy_floor=args.entropy_floor)
+    dirs = expand_run_dirs(args.runs)
+    comparisons = []
+    if args.baseline:
+        names = list(group([load_run(d) for d in dirs]))
+        if args.baseline not in names:
+            raise ValueError(f"--baseline {args.baseline!r} is not one of the methods {names}.")
+        comparisons = [(n, args.baseline) for n in names if n != args.baseline]
+    path = write_report(dirs, args.out, args.title, collapse_drop=args.collapse_drop,
+                        entropy_floor=args.entropy_floor, comparisons=comparisons)
     print(path)
     return 0
