@@ -18,6 +18,7 @@ so it is timed over `nocache_steps` steps only and reported per token.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 
@@ -96,11 +97,14 @@ def _pick_torch_threads(run_short, candidates) -> int:
 def bench_sampler(presets=("tiny", "medium-25m"), batches=(1, 32, 128), prompt_len: int = 16,
                   new_tokens: int = 32, nocache_steps: int = 2, repeats: int = 2,
                   with_hf: bool = True, torch_threads: int | None = None, seed: int = 0,
-                  verbose: bool = True) -> dict:
+                  verbose: bool = True, dtype: str | None = None) -> dict:
     """Measure and print generated tokens/s per (preset, batch).
 
     torch_threads: fixed torch thread count for transformers; None = pick
       the faster of 1 and torch's default per (preset, batch).
+    dtype: param and compute dtype of the JAX model (e.g. 'bfloat16' on an
+      accelerator); None keeps the preset's (float32). transformers always
+      runs float32, so pass with_hf=False with another dtype.
     Returns {"settings": {...}, "rows": [{"preset", "params_m", "batch",
     "jax_kv_cache", "jax_no_cache", "hf_generate" (None without torch),
     "torch_threads", "speedup_vs_hf", "speedup_vs_no_cache"}, ...], "notes"};
@@ -118,6 +122,8 @@ def bench_sampler(presets=("tiny", "medium-25m"), batches=(1, 32, 128), prompt_l
             notes.append("torch is not installed: the transformers column is skipped.")
     for name in presets:
         cfg = PRESETS[name]
+        if dtype:
+            cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
         params = model_lib.init_params(cfg, jax.random.key(seed))
         hf = _hf_model(params, cfg) if hf_ok else None
         sampler = Sampler(cfg, SamplingConfig(max_new_tokens=new_tokens, greedy=True,
@@ -166,7 +172,7 @@ def bench_sampler(presets=("tiny", "medium-25m"), batches=(1, 32, 128), prompt_l
                 print(f"  measured {name} batch {B}", flush=True)
     result = {"settings": dict(presets=list(presets), batches=list(batches),
                                prompt_len=prompt_len, new_tokens=new_tokens,
-                               nocache_steps=nocache_steps, repeats=repeats,
+                               nocache_steps=nocache_steps, repeats=repeats, dtype=dtype,
                                backend=jax.default_backend(), devices=jax.device_count()),
               "rows": rows, "notes": notes}
     if verbose:
