@@ -4,6 +4,9 @@
     erpo train  --config experiments/main_comparison.py loss.beta_query=0.1
     erpo eval   --config FILE [--checkpoint DIR]
     erpo inspect-grads [--unit] ...
+    erpo sweep  experiments/main_comparison.py --seeds 0,1,2 --cpu
+    erpo report runs/main_comparison/*/seed* --out runs/main_comparison/report
+    erpo bench  [--quick]
     erpo demo   (the embedded CPU demo: SFT, then RL three ways, then a summary)
 
 Every config field can be overridden with `section.field=value`; invalid
@@ -93,8 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="an HF-format model directory to evaluate")
     p.add_argument("--out", default=None, help="where to write the results")
     p.set_defaults(func=_eval)
+    from erpo_jax import bench, report, sweep
     from erpo_jax.rl.grad_flow import add_parser as add_inspect
     add_inspect(sub)
+    report.add_parser(sub)
+    sweep.add_parser(sub)
+    bench.add_parser(sub)
     p = sub.add_parser("demo", help="the embedded CPU demo (no download)")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--quick", action="store_true", help="a minimal run for smoke tests")
