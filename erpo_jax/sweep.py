@@ -1,0 +1,374 @@
+"""`erpo sweep`: run an experiment file's variants x seeds, then report.
+
+    erpo sweep experiments/main_comparison.py --cpu --seeds 0,1,2 [--only erpo,no_kl]
+        [--jobs N] [--dry-run] [--runs-root runs] [--restart-stale] [--set section.field=value ...]
+
+An experiment file (see `experiments/README.md`) defines `get_config()`,
+`get_cpu_config()` and `sweep(cpu: bool) -> {variant name: RunConfig}` (or a
+`VARIANTS` dict). Each variant's `name` is the method label the report groups
+by. Run `k` of variant `v` of experiment `E` (the file's stem) lives in
+`<runs-root>/E/v/seed<k>`, with `train.seed = k`; all runs of an experiment
+share one reference-pass cache, `<runs-root>/E/.refcache`.
+
+Per run, in order:
+- done (the last metrics row is at `train.steps` and, if evaluation is on,
+  evals.jsonl has the final step): skipped;
+- stale (its saved config.json differs from the config it would run now, e.g.
+  after the base config was retuned): not run, and named with the first
+  differing field; `--restart-stale` deletes such a run directory and runs it
+  again from scratch;
+- otherwise run (a run directory with a checkpoint resumes from it: the
+  trainer does that by itself).
+
+Each run is a fresh `python -m erpo_jax.cli train --config <json>` process
+(its output goes to `<run dir>/train.log`), so one crash does not end the
+sweep and memory does not pile up over many runs. Jobs share a persistent XLA
+compilation cache (`<runs-root>/.xla-cache`): runs of the same shapes compile
+once. One line per run, with its wall time, is appended to
+`<runs-root>/E/sweep.log`. At the end, every finished run under
+`<runs-root>/E/` goes into `report.write_report` (`<runs-root>/E/report/`).
+
+Runs that start from `model.init='sft'` at the shared CPU reference model
+(`runs/sft-arith/model`, `demo.arith_sft_config()`) get it trained first if it
+is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Iterable
+
+from erpo_jax.train.config import RunConfig, apply_overrides, save_config, validate
+
+# Fields that do not change what a run computes; a difference there is not stale.
+_COSMETIC = {("train", "progress")}
+
+
+def load_experiment(path: str | Path) -> ModuleType:
+    """Import an experiment file by path (experiments/ is not a package)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"experiment file {path} does not exist.")
+    spec = importlib.util.spec_from_file_location(f"erpo_experiment_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def variants(mod: ModuleType, cpu: bool) -> dict[str, RunConfig]:
+    """{variant name: base RunConfig} of an experiment module."""
+    if hasattr(mod, "sweep"):
+        out = mod.sweep(cpu=cpu)
+    elif hasattr(mod, "VARIANTS"):
+        out = dict(mod.VARIANTS)
+    else:
+        getter = getattr(mod, "get_cpu_config" if cpu else "get_config", None)
+        getter = getter or mod.get_config
+        cfg = getter()
+        out = {cfg.name: cfg}
+    for name, cfg in out.items():
+        if cfg.name != name:
+            raise ValueError(f"variant {name!r} has config name {cfg.name!r}; they must match "
+                             "(the report groups runs by name).")
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"variant name {name!r} must be usable as a directory name.")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    experiment: str
+    variant: str
+    seed: int
+    cfg: RunConfig
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.cfg.train.out_dir)
+
+    @property
+    def label(self) -> str:
+        return f"{self.experiment}/{self.variant}/seed{self.seed}"
+
+
+def plan(path: str | Path, seeds: Iterable[int], cpu: bool = False,
+         only: Iterable[str] | None = None, runs_root: str | Path = "runs",
+         overrides: Iterable[str] = ()) -> list[Run]:
+    """The runs of an experiment file: variants (filtered by `only`) x seeds, each
+    with the dotted `overrides` applied (before the sweep places it)."""
+    exp = Path(path).stem
+    table = variants(load_experiment(path), cpu)
+    if only:
+        only = list(only)
+        unknown = [n for n in only if n not in table]
+        if unknown:
+            raise ValueError(f"--only {','.join(unknown)}: not a variant of {exp}; its variants "
+                             f"are {', '.join(table)}.")
+        table = {n: table[n] for n in only}
+    root = Path(runs_root) / exp
+    runs = []
+    for name, base in table.items():
+        base = apply_overrides(base, list(overrides))
+        for seed in seeds:
+            train = dataclasses.replace(base.train, seed=int(seed), progress=False,
+                                        out_dir=str(root / name / f"seed{seed}"),
+                                        ref_cache_dir=str(root / ".refcache"))
+            runs.append(Run(exp, name, int(seed), dataclasses.replace(base, train=train)))
+    return runs
+
+
+def _jsonable(cfg: RunConfig) -> dict:
+    return json.loads(json.dumps(cfg.to_dict(), default=list))
+
+
+def _first_difference(a, b, path=()) -> tuple[str, ...] | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if path + (k,) in _COSMETIC:
+                continue
+            d = _first_difference(a.get(k), b.get(k), path + (k,))
+            if d is not None:
+                return d
+        return None
+    return None if a == b else path
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def is_finished(run_dir: str | Path) -> bool:
+    """Final step reached (per its config.json) and, if evaluation is on, its final eval written."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        return False
+    cfg = json.loads((run_dir / "config.json").read_text())
+    steps = cfg["train"]["steps"]
+    metrics = _rows(run_dir / "metrics.jsonl")
+    if steps > 0 and (not metrics or metrics[-1]["step"] < steps):
+        return False
+    if cfg["train"]["eval_every"] > 0:
+        return any(e.get("step") == steps for e in _rows(run_dir / "evals.jsonl"))
+    return True
+
+
+def status(run: Run) -> tuple[str, str]:
+    """('new' | 'partial' | 'done' | 'stale', detail)."""
+    saved = run.dir / "config.json"
+    if not saved.is_file():
+        return "new", ""
+    diff = _first_difference(json.loads(saved.read_text()), _jsonable(run.cfg))
+    if diff is not None:
+        old = json.loads(saved.read_text())
+        new = _jsonable(run.cfg)
+        for k in diff:
+            old, new = (old or {}).get(k), (new or {}).get(k)
+        return "stale", f"{'.'.join(diff)}: {old!r} in the run dir, {new!r} now"
+    if is_finished(run.dir):
+        return "done", ""
+    return "partial", f"last step {(_rows(run.dir / 'metrics.jsonl') or [{'step': 0}])[-1]['step']}"
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _env(runs_root: Path) -> dict:
+    env = dict(os.environ)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str((runs_root / ".xla-cache").resolve()))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+    return env
+
+
+def _subprocess(kind: str, cfg: RunConfig, log: Path, runs_root: Path) -> int:
+    """`erpo <kind> --config <cfg as json>` in a fresh process, output to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cfg_file = log.parent / f".{kind}-config.json"
+    save_config(cfg, cfg_file)
+    with open(log, "a") as f:
+        f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} erpo {kind} {cfg_file}\n")
+        f.flush()
+        return subprocess.call([sys.executable, "-m", "erpo_jax.cli", kind, "--config",
+                                str(cfg_file)], stdout=f, stderr=subprocess.STDOUT,
+                               env=_env(runs_root))
+
+
+def sft_prerequisite(runs: list[Run]) -> RunConfig | None:
+    """The shared CPU SFT config if some run needs it and it is absent; raises if a
+    run needs an SFT model that is absent and that this runner does not know."""
+    from erpo_jax.demo import arith_sft_config
+    from erpo_jax.train.sft import MODEL_SUBDIR
+    sft = arith_sft_config()
+    known = Path(sft.train.out_dir) / MODEL_SUBDIR
+    for r in runs:
+        m = r.cfg.model
+        if m.init != "sft" or (Path(m.path) / "config.json").is_file():
+            continue
+        if Path(m.path).resolve() != known.resolve():
+            raise ValueError(f"{r.label} starts from the SFT model {m.path}, which does not exist "
+                             f"and is not the shared one ({known}); train it first.")
+        return sft
+    saved = Path(sft.train.out_dir) / "config.json"
+    if any(r.cfg.model.init == "sft" and Path(r.cfg.model.path).resolve() == known.resolve()
+           for r in runs) and saved.is_file():
+        diff = _first_difference(json.loads(saved.read_text()), _jsonable(sft))
+        if diff is not None:
+            raise ValueError(f"{sft.train.out_dir} was trained with a different config "
+                             f"({'.'.join(diff)} differs from demo.arith_sft_config()); delete "
+                             "it, and the RL runs started from it, to retrain.")
+    return None
+
+
+def _log(path: Path, line: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    print(line, flush=True)
+
+
+def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
+              dry_run: bool = False, restart_stale: bool = False) -> dict[str, list[Run]]:
+    """Run what is not done; returns {'done', 'ran', 'failed', 'stale': [Run]}."""
+    runs_root = Path(runs_root)
+    for r in runs:
+        validate(r.cfg)
+    out = {"done": [], "ran": [], "failed": [], "stale": []}
+    todo = []
+    exps = sorted({r.experiment for r in runs})
+    logs = {e: runs_root / e / "sweep.log" for e in exps}
+    for r in runs:
+        st, detail = status(r)
+        if st == "stale" and restart_stale and not dry_run:
+            shutil.rmtree(r.dir)
+            st = "new"
+        if st == "done":
+            out["done"].append(r)
+        elif st == "stale":
+            out["stale"].append(r)
+            print(f"[sweep] STALE {r.label}: {detail}; --restart-stale deletes and reruns it",
+                  flush=True)
+        else:
+            todo.append(r)
+        if dry_run:
+            print(f"[sweep] {st:7s} {r.label} {detail}".rstrip(), flush=True)
+    if dry_run:
+        return out
+    sft = sft_prerequisite(todo)
+    if sft is not None:
+        t0 = time.perf_counter()
+        rc = _subprocess("sft", sft, Path(sft.train.out_dir) / "sft.log", runs_root)
+        for e in exps:
+            _log(logs[e], f"{time.strftime('%Y-%m-%d %H:%M:%S')} sft-arith rc={rc} "
+                          f"wall={time.perf_counter() - t0:.0f}s")
+        if rc != 0:
+            raise RuntimeError(f"the SFT reference run failed (rc={rc}); see "
+                               f"{sft.train.out_dir}/sft.log")
+
+    def one(r: Run) -> tuple[Run, int]:
+        t0 = time.perf_counter()
+        st, detail = status(r)
+        rc = _subprocess("train", r.cfg, r.dir / "train.log", runs_root)
+        ok = rc == 0 and is_finished(r.dir)
+        _log(logs[r.experiment], f"{time.strftime('%Y-%m-%d %H:%M:%S')} {r.label} "
+                                 f"{'ok' if ok else 'FAILED'} rc={rc} steps={r.cfg.train.steps} "
+                                 f"from={st}{' (' + detail + ')' if detail else ''} "
+                                 f"wall={time.perf_counter() - t0:.0f}s")
+        return r, 0 if ok else (rc or 1)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for r, rc in pool.map(one, todo):
+            out["ran" if rc == 0 else "failed"].append(r)
+    return out
+
+
+def finished_run_dirs(exp_dir: str | Path) -> list[Path]:
+    """Finished run directories `<exp_dir>/<variant>/seed<k>`, sorted."""
+    return sorted(p.parent for p in Path(exp_dir).glob("*/seed*/config.json")
+                  if is_finished(p.parent))
+
+
+def report(exp_dir: str | Path, mod: ModuleType | None = None) -> Path | None:
+    """REPORT.md and PNGs of every finished run of an experiment, in `<exp_dir>/report`."""
+    from erpo_jax.report import write_report
+    exp_dir = Path(exp_dir)
+    dirs = finished_run_dirs(exp_dir)
+    if not dirs:
+        return None
+    kw = {}
+    if mod is not None:
+        if getattr(mod, "COMPARISONS", None):
+            kw["comparisons"] = list(mod.COMPARISONS)
+        for k in ("collapse_drop", "entropy_floor"):
+            if hasattr(mod, k.upper()):
+                kw[k] = getattr(mod, k.upper())
+    title = (mod.__doc__ or exp_dir.name).strip().splitlines()[0] if mod else exp_dir.name
+    return write_report(dirs, exp_dir / "report", title=title, **kw)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("sweep", help="run an experiment's variants x seeds, then report")
+    _arguments(p)
+    p.set_defaults(func=_run)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("experiment", help="experiment file, e.g. experiments/main_comparison.py")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p.add_argument("--cpu", action="store_true", help="the CPU variant of every config")
+    p.add_argument("--only", default="", help="comma-separated variant names")
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (default 1)")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and their state only")
+    p.add_argument("--runs-root", default="runs", help="where run directories go")
+    p.add_argument("--restart-stale", action="store_true",
+                   help="delete and rerun runs whose saved config differs from the current one")
+    p.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[],
+                   metavar="SECTION.FIELD=VALUE", help="overrides for every run (e.g. "
+                   "train.steps=4 for a smoke sweep, with another --runs-root)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    mod = load_experiment(args.experiment)
+    runs = plan(args.experiment, seeds, args.cpu, only, args.runs_root, args.overrides)
+    print(f"[sweep] {len(runs)} runs of {Path(args.experiment).stem} "
+          f"({'CPU' if args.cpu else 'full'} configs, seeds {seeds}, jobs {args.jobs})",
+          flush=True)
+    t0 = time.perf_counter()
+    out = run_sweep(runs, args.jobs, args.runs_root, args.dry_run, args.restart_stale)
+    if args.dry_run:
+        return 0
+    print(f"[sweep] {len(out['ran'])} ran, {len(out['done'])} already done, "
+          f"{len(out['failed'])} failed, {len(out['stale'])} stale, "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if not args.no_report:
+        path = report(Path(args.runs_root) / Path(args.experiment).stem, mod)
+        print(f"[sweep] report: {path}" if path else "[sweep] no finished runs to report")
+    return 1 if out["failed"] or out["stale"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m erpo_jax.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _arguments(p)
+    return _run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Experiment files and the sweep runner.
+
+Every experiment config (full and CPU, every variant) parses and validates;
+each variant differs from its reference only where the experiment says; one
+representative CPU variant per experiment trains 2 steps, shrunk with the same
+overrides; the real-scale configs plan and shard on their TPU meshes
+abstractly; the sweep runner skips, flags stale runs, logs and reports.
+"""
+
+import dataclasses
+import json
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+
+from erpo_jax import sweep as sweep_lib
+from erpo_jax.demo import METHODS
+from erpo_jax.distributed import abstract_mesh_shape, plan_mesh
+from erpo_jax.model import model as model_lib
+from erpo_jax.model.config import PRESETS
+from erpo_jax.model.sharding import MESH_AXES, Sharding
+from erpo_jax.train.config import apply_overrides, load_config, validate
+from erpo_jax.train.loop import train
+
+EXP = Path(__file__).resolve().parents[1] / "experiments"
+FILES = ("main_comparison", "high_temperature", "long_horizon", "ablations", "real_scale")
+HBM_GIB = {"v4-8": 32, "v5litepod-16": 16}
+
+# The same shrink for every variant: tiny random model, 2 steps of 8 x 2, 6 new tokens,
+# evaluation on 2 problems per set.
+SHRINK = ["model.init=random", "model.preset=tiny", "data.n_train=64", "data.n_test=4",
+          "rollout.group_size=2", "rollout.max_new_tokens=6", "train.batch_size=8",
+          "train.steps=2", "train.eval_every=2", "train.eval_max_problems=2", "train.drift_every=2",
+          "train.drift_queries=4",
+          "train.ckpt_every=2", "train.progress=false", "train.ref_batch_size=64",
+          "optim.micro_batches=1", "optim.num_minibatches=1"]
+
+
+def _mod(name):
+    return sweep_lib.load_experiment(EXP / f"{name}.py")
+
+
+def _devices(cfg):
+    return jax.device_count() if -1 in cfg.mesh.shape else math.prod(cfg.mesh.shape)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_config_parses_and_validates(name):
+    mod = _mod(name)
+    doc = mod.__doc__
+    assert f"experiments/{name}.py" in doc and "erpo " in doc
+    for cpu in (False, True):
+        table = sweep_lib.variants(mod, cpu)
+        assert len(table) >= 3
+        for variant, cfg in table.items():
+            validate(cfg, _devices(cfg))
+            assert cfg.name == variant
+            assert cfg.train.out_dir == f"runs/{name}/{variant}/seed0"
+        one = load_config(str(EXP / f"{name}.py"), cpu=cpu)
+        validate(one, _devices(one))
+        assert one.name in table and one == table[one.name]
+    for a, b in getattr(mod, "COMPARISONS", []):
+        assert a in sweep_lib.variants(mod, True) and b in sweep_lib.variants(mod, True)
+
+
+def _diff(a, b, path=()):
+    """Dotted paths where two config dicts differ."""
+    if isinstance(a, dict):
+        return [p for k in a for p in _diff(a[k], b[k], path + (k,))]
+    return [] if a == b else [".".join(path)]
+
+
+def _changed(cfg, ref):
+    return set(_diff(cfg.to_dict(), ref.to_dict())) - {"name", "train.out_dir"}
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_variants_change_only_what_the_experiment_says(cpu):
+    main = sweep_lib.variants(_mod("main_comparison"), cpu)
+    assert list(main) == list(METHODS)
+    # Same budget: only the regulariser differs between the three methods.
+    for m in METHODS:
+        assert _changed(main[m], main["erpo"]) <= {
+            "loss.beta_policy", "loss.beta_query", "algo.weight_scheme"}
+    assert main["erpo"].loss.beta_query > 0 and main["erpo"].loss.beta_policy == 0
+    assert main["erpo"].algo.weight_scheme == "likelihood"
+    assert main["grpo+policy_kl"].loss.beta_policy > 0 == main["grpo+policy_kl"].loss.beta_query
+    assert main["no_kl"].loss.beta_policy == main["no_kl"].loss.beta_query == 0
+
+    hot = sweep_lib.variants(_mod("high_temperature"), cpu)
+    assert len(hot) == 9
+    for t in (1.0, 1.2, 1.5):
+        for m in METHODS:
+            cfg = hot[f"{m}-T{t}"]
+            assert cfg.rollout.temperature == t
+            assert _changed(cfg, main[m]) <= {"rollout.temperature"}
+
+    long = sweep_lib.variants(_mod("long_horizon"), cpu)
+    for m in METHODS:
+        assert long[m].train.steps == 4 * main[m].train.steps
+        assert long[m].train.eval_every == main[m].train.eval_every
+        assert _changed(long[m], main[m]) <= {"train.steps", "train.ckpt_every"}
+
+    abl = sweep_lib.variants(_mod("ablations"), cpu)
+    assert _changed(abl["erpo"], main["erpo"]) == set()
+    expect = {
+        "beta_q0.02": {"loss.beta_query": 0.02}, "beta_q0.5": {"loss.beta_query": 0.5},
+        "qkl+uniform": {"algo.weight_scheme": "uniform"},
+        "qkl+typicality": {"algo.weight_scheme": "typicality"},
+        "noqkl+uniform": {"algo.weight_scheme": "uniform", "loss.beta_query": 0.0},
+        "noqkl+likelihood": {"loss.beta_query": 0.0},
+        "noqkl+typicality": {"algo.weight_scheme": "typicality", "loss.beta_query": 0.0},
+        "qkl_k2": {"loss.query_kl_estimator": "k2"},
+        "ppo+erpo": {"algo.advantage": "gae"},
+        "ppo+no_kl": {"algo.advantage": "gae", "loss.beta_query": 0.0,
+                      "algo.weight_scheme": "uniform"},
+        "reinforce_pp+erpo": {"algo.advantage": "reinforce_pp"},
+        "reinforce_pp+no_kl": {"algo.advantage": "reinforce_pp", "loss.beta_query": 0.0,
+                               "algo.weight_scheme": "uniform"},
+    }
+    assert set(abl) == set(expect) | {"erpo"}
+    for name, fields in expect.items():
+        assert _changed(abl[name], main["erpo"]) == set(fields), name
+        for path, value in fields.items():
+            section, field = path.split(".")
+            assert getattr(getattr(abl[name], section), field) == value, (name, path)
+    # noqkl+uniform on GRPO is exactly the main comparison's no-KL run.
+    assert _changed(abl["noqkl+uniform"], main["no_kl"]) == set()
+
+
+@pytest.mark.parametrize("name,variant", [
+    ("main_comparison", "erpo"), ("high_temperature", "grpo+policy_kl-T1.5"),
+    ("long_horizon", "no_kl"), ("ablations", "qkl+typicality")])
+def test_cpu_variant_trains_two_steps(tmp_path, name, variant):
+    base = sweep_lib.variants(_mod(name), cpu=True)[variant]
+    cfg = apply_overrides(base, SHRINK + [f"train.out_dir={tmp_path / variant}",
+                                          f"train.ref_cache_dir={tmp_path / 'refcache'}"])
+    out = train(cfg)
+    assert out["status"] == "done" and out["step"] == 2
+    rows = [json.loads(x) for x in (tmp_path / variant / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "drift/qkl_k3" in rows[-1]
+    saved = json.loads((tmp_path / variant / "config.json").read_text())
+    # The shrink kept what makes the variant that variant.
+    for section in ("loss", "algo"):
+        assert saved[section] == json.loads(json.dumps(dataclasses.asdict(
+            getattr(base, section)), default=list))
+    assert saved["rollout"]["temperature"] == base.rollout.temperature
+    assert (out["ref_forward_calls"] > 0) == (base.loss.beta_policy > 0)
+
+
+def _real_scale_configs():
+    rs = _mod("real_scale")
+    cfgs = list(sweep_lib.variants(rs, cpu=False).values())
+    for name in FILES[:4]:
+        cfgs.append(_mod(name).get_config())
+    assert all(c.rollout.temperature == 1.0 for c in cfgs[:len(cfgs) - 4])
+    return rs, cfgs
+
+
+def test_real_scale_configs_plan_and_shard_on_their_tpu_mesh():
+    rs, cfgs = _real_scale_configs()
+    seen = set()
+    for cfg in cfgs:
+        acc = rs.accelerator(cfg)
+        tpu = abstract_mesh_shape(acc)
+        plan = plan_mesh(tpu.devices, tpu.devices_per_host, *cfg.mesh.shape)
+        assert plan.shape == tuple(cfg.mesh.shape), (cfg.name, plan)
+        validate(cfg, tpu.devices)
+        assert cfg.model.init == "hf" and cfg.data.task == "jsonl"
+        assert set(cfg.data.eval_benchmarks) == {"gsm8k", "math500", "aime24", "amc23",
+                                                 "minerva_math", "olympiadbench"}
+        assert cfg.optim.lr == 1e-6 and cfg.train.batch_size == 128
+        assert cfg.rollout.group_size == 8 and cfg.rollout.top_p == 1.0
+        assert cfg.data.max_prompt_len + cfg.rollout.max_new_tokens == 4096
+        key = (cfg.model.preset, acc, tuple(cfg.mesh.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        model_cfg = dataclasses.replace(PRESETS[cfg.model.preset],
+                                        param_dtype=cfg.model.param_dtype,
+                                        compute_dtype=cfg.model.compute_dtype)
+        assert cfg.data.max_prompt_len + cfg.rollout.max_new_tokens <= \
+            model_cfg.max_position_embeddings
+        mesh = AbstractMesh(plan.shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+        shardings = model_lib.param_shardings(model_cfg, Sharding(mesh))
+        params = jax.eval_shape(jax.jit(lambda r: model_lib.init_params(model_cfg, r),
+                                        out_shardings=shardings), jax.random.key(0))
+        leaves = jax.tree_util.tree_leaves(params)
+        n_params = sum(math.prod(x.shape) for x in leaves)
+        per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                         for x in leaves)
+        assert per_device * tpu.devices >= n_params * 4 * 0.99  # really spread, not replicated
+        # Parameters, gradients and two Adam moments, all float32, in at most half the HBM.
+        assert 4 * per_device < HBM_GIB[acc] * 2 ** 30 / 2, (cfg.name, per_device / 2 ** 30)
+        expected = {"qwen2.5-math-1.5b": 1.54e9, "qwen2.5-7b": 7.6e9}[cfg.model.preset]
+        assert abs(n_params / expected - 1) < 0.02
+    assert {k[1] for k in seen} == {"v4-8", "v5litepod-16"}
+
+
+# ----------------------------------------------------------------------------- the runner
+
+TINY_EXPERIMENT = '''
+"""Two variants of the main comparison, shrunk, for the sweep runner's test.
+
+    erpo sweep {path} --seeds 0
+"""
+import dataclasses
+from erpo_jax.sweep import load_experiment
+from erpo_jax.train.config import apply_overrides
+
+main = load_experiment({main!r})
+STEPS = {steps}
+
+
+def sweep(cpu=False):
+    return {{m: apply_overrides(main.sweep(cpu=True)[m], {shrink!r} + [f"train.steps={{STEPS}}"])
+            for m in ("erpo", "no_kl")}}
+
+
+COMPARISONS = [("erpo", "no_kl")]
+'''
+
+
+def _tiny_experiment(tmp_path, steps=2):
+    path = tmp_path / "tiny_exp.py"
+    path.write_text(TINY_EXPERIMENT.format(path=path, steps=steps, shrink=SHRINK,
+                                           main=str(EXP / "main_comparison.py")))
+    return path
+
+
+def test_plan_places_runs_and_rejects_unknown_variants(tmp_path):
+    path = _tiny_experiment(tmp_path)
+    runs = sweep_lib.plan(path, [0, 3], runs_root=tmp_path / "runs")
+    assert [r.label for r in runs] == ["tiny_exp/erpo/seed0", "tiny_exp/erpo/seed3",
+                                       "tiny_exp/no_kl/seed0", "tiny_exp/no_kl/seed3"]
+    assert runs[1].cfg.train.seed == 3 and runs[1].variant == "erpo"
+    assert runs[1].dir == tmp_path / "runs" / "tiny_exp" / "erpo" / "seed3"
+    assert runs[1].cfg.train.ref_cache_dir == str(tmp_path / "runs" / "tiny_exp" / ".refcache")
+    assert [r.variant for r in sweep_lib.plan(path, [0], only=["no_kl"])] == ["no_kl"]
+    with pytest.raises(ValueError, match="--only c: not a variant of tiny_exp"):
+        sweep_lib.plan(path, [0], only=["c"])
+
+
+def test_sft_prerequisite(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = sweep_lib.plan(EXP / "main_comparison.py", [0], cpu=True, only=["erpo"])
+    sft = sweep_lib.sft_prerequisite(runs)
+    assert sft is not None and sft.train.out_dir == "runs/sft-arith"
+    other = dataclasses.replace(runs[0], cfg=apply_overrides(runs[0].cfg, ["model.path=elsewhere"]))
+    with pytest.raises(ValueError, match="elsewhere, which does not exist"):
+        sweep_lib.sft_prerequisite([other])
+    assert sweep_lib.sft_prerequisite(sweep_lib.plan(EXP / "real_scale.py", [0])) is None
+
+
+def test_sweep_runs_skips_flags_stale_and_reports(tmp_path, capsys, monkeypatch):
+    # The run processes share this session's compilation cache: the same programs were
+    # compiled by test_cpu_variant_trains_two_steps (same flags, same precision).
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+    monkeypatch.setenv("JAX_DEFAULT_MATMUL_PRECISION", str(jax.config.jax_default_matmul_precision))
+    path = _tiny_experiment(tmp_path)
+    root = tmp_path / "runs"
+    args = [str(path), "--seeds", "0", "--runs-root", str(root), "--only", "erpo"]
+    assert sweep_lib.main(args) == 0
+    log = (root / "tiny_exp" / "sweep.log").read_text().splitlines()
+    assert len(log) == 1 and " tiny_exp/erpo/seed0 ok rc=0 steps=2 from=new " in log[0]
+    assert log[0].split()[-1].startswith("wall=")
+    assert sweep_lib.is_finished(root / "tiny_exp" / "erpo" / "seed0")
+    assert not (root / "tiny_exp" / "no_kl").exists()
+    md = (root / "tiny_exp" / "report" / "REPORT.md").read_text()
+    assert (root / "tiny_exp" / "report" / "eval_average.png").is_file()
+    # The table's final average is the run's own last evaluation.
+    final = json.loads((root / "tiny_exp" / "erpo" / "seed0" / "evals.jsonl").read_text()
+                       .splitlines()[-1])
+    row = next(x for x in md.splitlines() if x.startswith("| erpo |"))
+    assert row.split("|")[4].strip() == f"{100 * final['average']['greedy_acc']:.1f}"
+
+    # A second sweep skips it; a changed config is stale, not resumed.
+    capsys.readouterr()
+    assert sweep_lib.main(args) == 0
+    assert "0 ran, 1 already done" in capsys.readouterr().out
+    assert len((root / "tiny_exp" / "sweep.log").read_text().splitlines()) == 1
+    _tiny_experiment(tmp_path, steps=3)
+    runs = sweep_lib.plan(path, [0], runs_root=root)
+    assert sweep_lib.status(runs[0]) == ("stale", "train.steps: 2 in the run dir, 3 now")
+    assert sweep_lib.main(args + ["--dry-run"]) == 0
+    assert "STALE tiny_exp/erpo/seed0: train.steps: 2 in the run dir, 3 now" in capsys.readouterr().out
