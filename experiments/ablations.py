@@ -1,4 +1,4 @@
-"""Ablations of ERPO: beta_query, the weight scheme with Query-KL on and off, k2 vs k3, and the estimator.
+"""Ablations of ERPO: beta_query, weight scheme x Query-KL on/off, k2 vs k3, the estimator.
 
 CPU:
 
@@ -17,7 +17,7 @@ main budget:
 | erpo | none (the reference point of every comparison) |
 | beta_q<b> | loss.beta_query = b for b in BETA_QUERY (the reference value is `erpo`) |
 | qkl+uniform, qkl+typicality | weight scheme, Query-KL on (qkl+likelihood is `erpo`) |
-| noqkl+uniform, noqkl+likelihood, noqkl+typicality | weight scheme, Query-KL off (noqkl+uniform is no KL) |
+| noqkl+<scheme> | weight scheme, Query-KL off (noqkl+uniform is no KL) |
 | qkl_k2 | Query-KL estimator k2 instead of k3 |
 | ppo+erpo, ppo+no_kl | algo.advantage = gae (learned critic) with and without ERPO's terms |
 | reinforce_pp+erpo, reinforce_pp+no_kl | algo.advantage = reinforce_pp, with and without |

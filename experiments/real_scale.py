@@ -1,4 +1,4 @@
-"""Real scale: ERPO vs GRPO + Policy-KL vs no KL on Qwen2.5-Math-1.5B (TPU v4-8) and Qwen2.5-7B (TPU v5e-16).
+"""Real scale: ERPO vs GRPO + Policy-KL vs no KL, Qwen2.5-Math-1.5B (v4-8) and Qwen2.5-7B (v5e-16).
 
 Not run on the CPU machine; a test checks that every config parses, validates
 for its device count and that its parameters shard on its mesh (abstractly).
@@ -111,7 +111,8 @@ def method_config(method: str, model: str = "1.5b", steps: int = 200) -> RunConf
         loss=dataclasses.replace(loss, eps_low=0.2, eps_high=0.2, agg_mode="token_mean"),
         optim=OptimSection(lr=1e-6, warmup_steps=0, schedule="constant", max_grad_norm=1.0,
                            epochs=1, num_minibatches=1, micro_batches=micro),
-        train=TrainSection(steps=steps, batch_size=128, out_dir=f"runs/real_scale/{model}-{method}/seed0",
+        train=TrainSection(steps=steps, batch_size=128,
+                           out_dir=f"runs/real_scale/{model}-{method}/seed0",
                            eval_every=25, eval_n=1, eval_max_problems=100_000, drift_every=5,
                            drift_queries=64, ckpt_every=25, keep_checkpoints=2,
                            ref_batch_size=64),

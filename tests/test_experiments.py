@@ -10,8 +10,6 @@ abstractly; the sweep runner skips, flags stale runs, logs and reports.
 import dataclasses
 import json
 import math
-import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -209,7 +207,6 @@ TINY_EXPERIMENT = '''
 
     erpo sweep {path} --seeds 0
 """
-import dataclasses
 from erpo_jax.sweep import load_experiment
 from erpo_jax.train.config import apply_overrides
 
@@ -251,7 +248,8 @@ def test_sft_prerequisite(tmp_path, monkeypatch):
     runs = sweep_lib.plan(EXP / "main_comparison.py", [0], cpu=True, only=["erpo"])
     sft = sweep_lib.sft_prerequisite(runs)
     assert sft is not None and sft.train.out_dir == "runs/sft-arith"
-    other = dataclasses.replace(runs[0], cfg=apply_overrides(runs[0].cfg, ["model.path=elsewhere"]))
+    moved = apply_overrides(runs[0].cfg, ["model.path=elsewhere"])
+    other = dataclasses.replace(runs[0], cfg=moved)
     with pytest.raises(ValueError, match="elsewhere, which does not exist"):
         sweep_lib.sft_prerequisite([other])
     assert sweep_lib.sft_prerequisite(sweep_lib.plan(EXP / "real_scale.py", [0])) is None
@@ -288,4 +286,5 @@ def test_sweep_runs_skips_flags_stale_and_reports(tmp_path, capsys, monkeypatch)
     runs = sweep_lib.plan(path, [0], runs_root=root)
     assert sweep_lib.status(runs[0]) == ("stale", "train.steps: 2 in the run dir, 3 now")
     assert sweep_lib.main(args + ["--dry-run"]) == 0
-    assert "STALE tiny_exp/erpo/seed0: train.steps: 2 in the run dir, 3 now" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "STALE tiny_exp/erpo/seed0: train.steps: 2 in the run dir, 3 now" in out
