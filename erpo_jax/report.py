@@ -189,16 +189,28 @@ def _drift_digits(values) -> int:
     return 1 if v.size == 0 or np.max(np.abs(v)) >= 1 else 3
 
 
+def _sampled_keys(runs: Sequence[dict]) -> list[str]:
+    """Sampled-evaluation keys of the final average ('pass@1', 'pass@4', ...), if any."""
+    keys = {k for r in runs if r["evals"] for k in r["evals"][-1]["average"]
+            if k.startswith("pass@")}
+    return sorted(keys, key=lambda k: int(k.split("@")[1]))
+
+
 def accuracy_table(runs: Sequence[dict]) -> list[str]:
     sets = sorted({k for r in runs for k in eval_table(r).get("final", {}) if k != "average"})
+    sampled = _sampled_keys(runs)
     lines = ["| method | seeds | initial avg | final avg | best avg | "
+             + "".join(f"final avg {k} | " for k in sampled)
              + " | ".join(f"final {s}" for s in sets) + " |",
-             "|" + "---|" * (5 + len(sets))]
+             "|" + "---|" * (5 + len(sampled) + len(sets))]
     for name, rs in group(runs).items():
         tabs = [t for t in (eval_table(r) for r in rs) if t]
         cell = lambda part, key: fmt(*mean_ci([t[part].get(key, np.nan) for t in tabs]))
+        finals = [r["evals"][-1]["average"] for r in rs if r["evals"]]
         lines.append(f"| {name} | {len(rs)} | {cell('initial', 'average')} | "
                      f"{cell('final', 'average')} | {cell('best', 'average')} | "
+                     + "".join(f"{fmt(*mean_ci([f.get(k) for f in finals]))} | "
+                               for k in sampled)
                      + " | ".join(cell("final", s) for s in sets) + " |")
     return lines
 
@@ -230,12 +242,13 @@ def stability_table(runs: Sequence[dict], collapse_drop: float,
 
 
 def cost_table(runs: Sequence[dict]) -> list[str]:
-    """Seconds per RL step (mean over steps, then over seeds) by phase."""
+    """Seconds per RL step by phase: the median over a run's steps (robust to the
+    first step's compilation and to evaluation pauses), then mean ± CI over seeds."""
     keys = ("time/rollout", "time/ref", "time/update")
     lines = ["| method | rollout s/step | reference forward s/step | update s/step | "
              "total s/step |", "|" + "---|" * 5]
     for name, rs in group(runs).items():
-        per = {k: [float(np.mean(series(r, k)[1])) if series(r, k)[1].size else None
+        per = {k: [float(np.median(series(r, k)[1])) if series(r, k)[1].size else None
                    for r in rs] for k in keys}
         tot = [sum(v) if all(x is not None for x in v) else None
                for v in zip(*(per[k] for k in keys))]
@@ -271,13 +284,16 @@ def effect_table(runs: Sequence[dict], comparisons: Sequence[tuple[str, str]]) -
 def markdown(runs: Sequence[dict], collapse_drop: float = 0.15, entropy_floor: float = 0.05,
              comparisons: Sequence[tuple[str, str]] = ()) -> str:
     lines = accuracy_table(runs)
-    lines += ["", "Accuracies are held-out greedy pass@1 in percent, mean ± 95% CI over seeds "
-              "(Student t; no ± with one seed).", "", "Stability and drift:", ""]
+    lines += ["", "Accuracies are held-out greedy pass@1 in percent (pass@k: from sampled "
+              "evaluation), mean ± 95% CI over seeds (Student t; no ± with one seed).", "",
+              "Stability and drift:", ""]
     lines += stability_table(runs, collapse_drop, entropy_floor)
     lines += ["", f"A collapse is an evaluation whose accuracy is more than "
               f"{collapse_drop * 100:.0f} points below the run's best so far, or a step whose "
               f"response entropy is below {entropy_floor}; 'collapse steps' lists the first "
-              "such step of each collapsed run.", "", "Cost per RL step (seconds):", ""]
+              "such step of each collapsed run.", "", "Cost per RL step (seconds, median over "
+              "steps; wall-clock, so only comparable between runs on an equally loaded "
+              "machine):", ""]
     lines += cost_table(runs)
     eff = effect_table(runs, comparisons)
     if len(eff) > 2:

@@ -22,7 +22,9 @@ Per run, in order:
 
 Each run is a fresh `python -m erpo_jax.cli train --config <json>` process
 (its output goes to `<run dir>/train.log`), so one crash does not end the
-sweep and memory does not pile up over many runs. Jobs share a persistent XLA
+sweep and memory does not pile up over many runs. SIGTERM to the sweep is
+passed on to the running trainers (they checkpoint and stop) and no further
+run starts; the same command later resumes them. Jobs share a persistent XLA
 compilation cache (`<runs-root>/.xla-cache`): runs of the same shapes compile
 once. One line per run, with its wall time, is appended to
 `<runs-root>/E/sweep.log`. At the end, every finished run under
@@ -41,8 +43,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -192,17 +196,45 @@ def _env(runs_root: Path) -> dict:
     return env
 
 
+class _Children:
+    """Running run processes; SIGTERM to the sweep is passed on to them (each trainer
+    then checkpoints and exits) and no further run starts."""
+
+    def __init__(self):
+        self.procs: set[subprocess.Popen] = set()
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+
+    def on_sigterm(self, signum, frame):
+        self.stopping.set()
+        with self.lock:
+            for p in self.procs:
+                p.send_signal(signal.SIGTERM)
+
+
+_CHILDREN = _Children()
+
+
 def _subprocess(kind: str, cfg: RunConfig, log: Path, runs_root: Path) -> int:
     """`erpo <kind> --config <cfg as json>` in a fresh process, output to `log`."""
+    if _CHILDREN.stopping.is_set():
+        return -signal.SIGTERM
     log.parent.mkdir(parents=True, exist_ok=True)
     cfg_file = log.parent / f".{kind}-config.json"
     save_config(cfg, cfg_file)
     with open(log, "a") as f:
         f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} erpo {kind} {cfg_file}\n")
         f.flush()
-        return subprocess.call([sys.executable, "-m", "erpo_jax.cli", kind, "--config",
-                                str(cfg_file)], stdout=f, stderr=subprocess.STDOUT,
-                               env=_env(runs_root))
+        with _CHILDREN.lock:
+            proc = subprocess.Popen([sys.executable, "-m", "erpo_jax.cli", kind, "--config",
+                                     str(cfg_file)], stdout=f, stderr=subprocess.STDOUT,
+                                    env=_env(runs_root))
+            _CHILDREN.procs.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with _CHILDREN.lock:
+                _CHILDREN.procs.discard(proc)
 
 
 def sft_prerequisite(runs: list[Run]) -> RunConfig | None:
@@ -279,17 +311,26 @@ def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
     def one(r: Run) -> tuple[Run, int]:
         t0 = time.perf_counter()
         st, detail = status(r)
+        if _CHILDREN.stopping.is_set():
+            return r, 1
         rc = _subprocess("train", r.cfg, r.dir / "train.log", runs_root)
         ok = rc == 0 and is_finished(r.dir)
+        state = "ok" if ok else "interrupted" if _CHILDREN.stopping.is_set() else "FAILED"
         _log(logs[r.experiment], f"{time.strftime('%Y-%m-%d %H:%M:%S')} {r.label} "
-                                 f"{'ok' if ok else 'FAILED'} rc={rc} steps={r.cfg.train.steps} "
+                                 f"{state} rc={rc} steps={r.cfg.train.steps} "
                                  f"from={st}{' (' + detail + ')' if detail else ''} "
                                  f"wall={time.perf_counter() - t0:.0f}s")
         return r, 0 if ok else (rc or 1)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for r, rc in pool.map(one, todo):
-            out["ran" if rc == 0 else "failed"].append(r)
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _CHILDREN.on_sigterm) if main else None
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for r, rc in pool.map(one, todo):
+                out["ran" if rc == 0 else "failed"].append(r)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
     return out
 
 
