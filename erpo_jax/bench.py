@@ -55,7 +55,7 @@ MODES = {
                  mfu_preset="tiny", mfu_shape=(4, 32), mfu_repeats=2,
                  sampler=dict(presets=("tiny",), batches=(2,), new_tokens=4, repeats=1,
                               torch_threads=1),
-                 rl=[dict(name="tiny", preset="tiny", prompts=2, group=2, prompt_len=16,
+                 rl=[dict(name="tiny", preset="tiny", prompts=4, group=2, prompt_len=16,
                           new_tokens=4, iters=2)]),
     "quick": dict(peak_n=1024, reg_preset="tiny", reg_layers=1, reg_shape=(8, 4, 32, 32),
                   reg_repeats=7,
@@ -289,20 +289,21 @@ def _padded_task_loader(width: int):
 
 def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: int,
                  new_tokens: int, iters: int, micro_batches: int = 1,
-                 beta_policy: float = BETA_POLICY) -> dict:
+                 beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1)) -> dict:
     """Time `iters` RL steps through the Trainer's own `_rl_batch` + `_update`
     (rollout, arithmetic exact-match reward, GRPO advantages, the reference
-    forward for Policy-KL, the update). Iteration 0 includes compilation."""
+    forward for Policy-KL, the update). Iteration 0 includes compilation.
+    mesh: (data, fsdp, tensor), the Trainer's default (all devices on data)."""
     from erpo_jax.train import loop as loop_lib
-    from erpo_jax.train.config import (DataSection, ModelSection, OptimSection, RolloutSection,
-                                       RunConfig, TrainSection)
+    from erpo_jax.train.config import (DataSection, MeshSection, ModelSection, OptimSection,
+                                       RolloutSection, RunConfig, TrainSection)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(
             name=f"bench-{name}", model=ModelSection(init="random", preset=preset),
             data=DataSection(n_train=max(64, prompts), n_test=4, max_prompt_len=prompt_len),
             rollout=RolloutSection(group_size=group, max_new_tokens=new_tokens),
             loss=LossConfig(beta_policy=beta_policy),
-            optim=OptimSection(micro_batches=micro_batches),
+            optim=OptimSection(micro_batches=micro_batches), mesh=MeshSection(tuple(mesh)),
             train=TrainSection(steps=iters, batch_size=prompts, out_dir=f"{tmp}/run",
                                eval_every=0, drift_every=0, drift_queries=4,
                                eval_max_problems=4, progress=False,
@@ -402,8 +403,8 @@ def memory_estimate(preset: str, hardware: str, devices: int, hbm_gib: float, me
                    "activations_no_remat": act_full / G, "train_peak_remat": train_remat / G,
                    "train_peak_no_remat": train_full / G, "rollout_peak": rollout / G,
                    "reference_params_if_policy_kl": params / G}}
-    row["fits_remat"] = max(train_remat, rollout) / G <= hbm_gib
-    row["fits_no_remat"] = max(train_full, rollout) / G <= hbm_gib
+    row["fits_remat"] = bool(max(train_remat, rollout) / G <= hbm_gib)
+    row["fits_no_remat"] = bool(max(train_full, rollout) / G <= hbm_gib)
     return row
 
 
