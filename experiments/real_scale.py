@@ -62,11 +62,10 @@ passes over 12k prompts) is ours.
 
 Memory (per chip, parameters + grads + Adam in float32, 16 bytes/param, fsdp
 over the whole slice): 1.5B on 4 v4 chips about 6.2 GB of 32 GiB; 7.6B on 16
-v5e chips about 7.6 GB of 16 GiB. The KV cache of one whole rollout (1024
-rows x 4096 positions, bfloat16) is about 120 GB (1.5B) / 240 GB (7B) over
-the slice, more than fits next to the state: the sampler rolls out the whole
-batch at once today, so these configs need rollout in chunks of rows before
-they can run as written.
+v5e chips about 7.6 GB of 16 GiB. The KV cache of a whole rollout (1024 rows
+x 4096 positions, bfloat16) would be about 120 GB (1.5B) / 240 GB (7B), so the
+rollout samples 16 prompts (128 rows) per call (`rollout.max_prompts_per_call`):
+about 15 GB (1.5B, 3.8 GB per v4 chip) / 30 GB (7B, 1.9 GB per v5e chip).
 """
 
 from __future__ import annotations
@@ -106,7 +105,8 @@ def method_config(method: str, model: str = "1.5b", steps: int = 200) -> RunConf
                          question_field="problem", answer_field="answer",
                          benchmarks_dir="data/benchmarks", eval_benchmarks=BENCHMARKS,
                          template="chat", max_prompt_len=1024),
-        rollout=RolloutSection(group_size=8, temperature=1.0, top_p=1.0, max_new_tokens=3072),
+        rollout=RolloutSection(group_size=8, temperature=1.0, top_p=1.0, max_new_tokens=3072,
+                               max_prompts_per_call=16),
         algo=AlgoSection(advantage="grpo", weight_scheme=scheme),
         loss=dataclasses.replace(loss, eps_low=0.2, eps_high=0.2, agg_mode="token_mean"),
         optim=OptimSection(lr=1e-6, warmup_steps=0, schedule="constant", max_grad_norm=1.0,

@@ -167,3 +167,22 @@ def test_invalid_config_names_the_field():
     with pytest.raises(ValueError, match="config field mesh.shape"):
         validate(load_config(None, ["mesh.shape=4,4,4"]), num_devices=8)
     assert cli.main(["train", "loss.eps_low=2"]) == 2
+
+
+def test_rollout_in_chunks_joins_to_the_whole_batch():
+    from erpo_jax.model import model as M
+    from erpo_jax.model.config import ModelConfig
+    from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+    from erpo_jax.train.host import sample
+    cfg = ModelConfig()
+    params = M.init_params(cfg, jax.random.key(0))
+    sampler = Sampler(cfg, SamplingConfig(max_new_tokens=4, num_samples=2, greedy=True,
+                                          max_prompt_len=32))
+    prompts = [[5] * n for n in (3, 12, 4, 20, 7)]  # chunks bucket to widths 16 and 32
+    key = jax.random.key(1)
+    whole, parts = sample(sampler, params, prompts, key), sample(sampler, params, prompts, key, 2)
+    assert parts.prompt_tokens.shape == whole.prompt_tokens.shape == (10, 32)
+    for field in ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask",
+                  "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(parts, field), getattr(whole, field), field)
+    np.testing.assert_allclose(parts.logp, whole.logp, atol=1e-5)

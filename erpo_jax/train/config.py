@@ -73,6 +73,9 @@ class RolloutSection:
     top_k: int = 0
     max_new_tokens: int = 48
     min_new_tokens: int = 0
+    # Prompts per sampler call (0: the whole batch at once). Bounds the KV cache
+    # to max_prompts_per_call * group_size rows; evaluation uses it too.
+    max_prompts_per_call: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +187,9 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
                              ("train.max_nonfinite", t.max_nonfinite, 1)]:
         if value < low:
             _fail(name, f"must be >= {low}, got {value}.")
+    if r.max_prompts_per_call < 0:
+        _fail("rollout.max_prompts_per_call", f"must be >= 0 (0 = no limit), got "
+              f"{r.max_prompts_per_call}.")
     if not r.temperature > 0:
         _fail("rollout.temperature", f"must be > 0, got {r.temperature}.")
     if not 0 < r.top_p <= 1:

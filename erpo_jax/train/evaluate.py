@@ -53,10 +53,11 @@ class Evaluator:
         """{'sets': {name: {greedy_acc, pass@k..., n}}, 'average': {...}, 'samples': [...]}"""
         from erpo_jax.train.host import sample
         tok = self.task.tokenizer
+        chunk = self.cfg.rollout.max_prompts_per_call
         results, samples = {}, []
         for i, (name, probs) in enumerate(self.sets.items()):
             golds = [p.answer for p in probs]
-            out = sample(self.greedy, params, self.prompts[name], seed_key)
+            out = sample(self.greedy, params, self.prompts[name], seed_key, chunk)
             texts = tok.decode_responses(out.response_tokens, out.response_mask)
             rewards, _ = self.task.reward_fn(texts, golds)
             res = {"greedy_acc": float(np.mean(rewards)), "n_problems": len(probs)}
@@ -66,7 +67,7 @@ class Evaluator:
             if self.sampled is not None:
                 n = self.cfg.train.eval_n
                 key = rollout_key(jax.random.fold_in(seed_key, i), step)
-                out = sample(self.sampled, params, self.prompts[name], key)
+                out = sample(self.sampled, params, self.prompts[name], key, chunk)
                 texts = tok.decode_responses(out.response_tokens, out.response_mask)
                 rw, _ = self.task.reward_fn(texts, [g for g in golds for _ in range(n)])
                 correct = rw.reshape(len(probs), n).sum(axis=1).astype(int)

@@ -155,7 +155,8 @@ class Trainer:
         times = {}
         t0 = time.perf_counter()
         ro = sample(self.sampler, self.state.params, prompts,
-                    rollout_key(jax.random.fold_in(self.seed_key, 1), step))
+                    rollout_key(jax.random.fold_in(self.seed_key, 1), step),
+                    cfg.rollout.max_prompts_per_call)
         times["time/rollout"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         texts = self.tokenizer.decode_responses(ro.response_tokens, ro.response_mask)
