@@ -81,7 +81,11 @@ def _sft_done(cfg: RunConfig) -> bool:
     saved = out / "config.json"
     if not (out / "model" / "config.json").is_file() or not saved.is_file():
         return False
-    return json.loads(saved.read_text()) == json.loads(json.dumps(cfg.to_dict(), default=list))
+    from erpo_jax.train.config import from_dict
+    try:  # fields added since the run was saved take their defaults
+        return from_dict(RunConfig, json.loads(saved.read_text())) == cfg
+    except (TypeError, ValueError):
+        return False
 
 
 def run_demo(args) -> int:

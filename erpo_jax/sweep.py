@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -53,21 +52,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterable
 
-from erpo_jax.train.config import RunConfig, apply_overrides, save_config, validate
+from erpo_jax.train.config import (RunConfig, apply_overrides, from_dict, load_experiment,
+                                   save_config, validate)
 
 # Fields that do not change what a run computes; a difference there is not stale.
 _COSMETIC = {("train", "progress")}
-
-
-def load_experiment(path: str | Path) -> ModuleType:
-    """Import an experiment file by path (experiments/ is not a package)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"experiment file {path} does not exist.")
-    spec = importlib.util.spec_from_file_location(f"erpo_experiment_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def variants(mod: ModuleType, cpu: bool) -> dict[str, RunConfig]:
@@ -136,6 +125,16 @@ def _jsonable(cfg: RunConfig) -> dict:
     return json.loads(json.dumps(cfg.to_dict(), default=list))
 
 
+def _saved(path: Path) -> dict:
+    """A saved config.json with fields added since it was written at their defaults,
+    so a newer erpo-jax does not call every older run stale."""
+    data = json.loads(path.read_text())
+    try:
+        return _jsonable(from_dict(RunConfig, data))
+    except (TypeError, ValueError):
+        return data
+
+
 def _first_difference(a, b, path=()) -> tuple[str, ...] | None:
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
@@ -174,7 +173,7 @@ def status(run: Run) -> tuple[str, str]:
     saved = run.dir / "config.json"
     if not saved.is_file():
         return "new", ""
-    diff = _first_difference(json.loads(saved.read_text()), _jsonable(run.cfg))
+    diff = _first_difference(_saved(saved), _jsonable(run.cfg))
     if diff is not None:
         old = json.loads(saved.read_text())
         new = _jsonable(run.cfg)
@@ -255,7 +254,7 @@ def sft_prerequisite(runs: list[Run]) -> RunConfig | None:
     saved = Path(sft.train.out_dir) / "config.json"
     if any(r.cfg.model.init == "sft" and Path(r.cfg.model.path).resolve() == known.resolve()
            for r in runs) and saved.is_file():
-        diff = _first_difference(json.loads(saved.read_text()), _jsonable(sft))
+        diff = _first_difference(_saved(saved), _jsonable(sft))
         if diff is not None:
             raise ValueError(f"{sft.train.out_dir} was trained with a different config "
                              f"({'.'.join(diff)} differs from demo.arith_sft_config()); delete "

@@ -310,6 +310,17 @@ def from_dict(cls, data: dict):
     return cls(**kwargs)
 
 
+def load_experiment(path: str | Path) -> types.ModuleType:
+    """Import an experiment file by path (experiments/ is not a package)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"experiment file {path} does not exist.")
+    spec = importlib.util.spec_from_file_location(f"erpo_experiment_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def load_config(path: str | None, overrides: list[str] = (), cpu: bool = False) -> RunConfig:
     """Load an experiment file (.py with get_config / get_cpu_config, or .json)."""
     if path is None:
@@ -317,12 +328,7 @@ def load_config(path: str | None, overrides: list[str] = (), cpu: bool = False) 
     elif str(path).endswith(".json"):
         cfg = from_dict(RunConfig, json.loads(Path(path).read_text()))
     else:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {path} does not exist.")
-        spec = importlib.util.spec_from_file_location(f"erpo_experiment_{p.stem}", p)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = load_experiment(path)
         getter = getattr(mod, "get_cpu_config", None) if cpu else None
         getter = getter or getattr(mod, "get_config", None)
         if getter is None:
