@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -29,6 +28,7 @@ from erpo_jax import distributed as D
 from erpo_jax.model import model as M
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, make_mesh
+from workers import kill_workers, wait_for_workers
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -266,10 +266,6 @@ def _worker(out_dir: str) -> None:
     D.clean_shutdown()
 
 
-def _tail(path: Path, n: int = 3000) -> str:
-    return path.read_text(errors="replace")[-n:] if path.exists() else "(no output)"
-
-
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     port = _free_port()
@@ -289,21 +285,9 @@ def test_two_processes_match_one(tmp_path):
                     env={**base, "JAX_PROCESS_ID": str(pid)}, stdout=f,
                     stderr=subprocess.STDOUT))
         want = _train(make_mesh((1, 4, 2)), jax.device_put)  # meanwhile, the 8-device run
-        deadline = time.monotonic() + 150
-        for p in procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        status = [p.poll() for p in procs]
-        if status != [0, 0]:
-            pytest.fail(f"worker exit codes {status} (None: killed after 150 s)\n" + "\n".join(
-                f"--- worker {i} ---\n{_tail(log)}" for i, log in enumerate(logs)))
+        wait_for_workers(procs, logs, timeout_s=150)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_workers(procs)
 
     reports = [json.loads(log.read_text().strip().splitlines()[-1]) for log in logs]
     for pid, r in enumerate(reports):

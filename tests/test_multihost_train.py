@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from erpo_jax.distributed import LAUNCH_ENV
 from erpo_jax.train.config import load_config
 from erpo_jax.train.loop import train
+from workers import kill_workers, wait_for_workers
 
 OVERRIDES = ["model.init=random", "model.preset=tiny", "data.n_train=64", "data.n_test=4",
              "rollout.group_size=2", "rollout.max_new_tokens=6", "train.batch_size=8",
@@ -60,22 +60,9 @@ def test_two_process_training_matches_one_process(tmp_path):
         cfg = load_config(None, [*OVERRIDES, f"train.out_dir={single}",
                                  f"train.ref_cache_dir={tmp_path / 'cache-single'}"])
         assert train(cfg)["status"] == "done"
-        deadline = time.monotonic() + 240
-        for p in procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        status = [p.poll() for p in procs]
-        if status != [0, 0]:
-            pytest.fail(f"worker exit codes {status}\n" + "\n".join(
-                f"--- worker {i} ---\n{log.read_text(errors='replace')[-3000:]}"
-                for i, log in enumerate(logs)))
+        wait_for_workers(procs, logs, timeout_s=240)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_workers(procs)
 
     got, want = _rows(multi), _rows(single)
     assert [r["step"] for r in got] == [1, 2]  # one writer: no duplicated rows
