@@ -192,6 +192,16 @@ def test_legacy_config_keys():
 # ----------------------------------------------------------------------------- errors
 
 
+def _rewrite_tensors(ckpt_dir, edit):
+    """Load model.safetensors into memory, apply edit(dict of arrays), write it back."""
+    from erpo_jax.model.safetensors_io import SafetensorsFile, save_file
+    f = SafetensorsFile(ckpt_dir / "model.safetensors")
+    tensors = {k: np.array(f[k]) for k in f.keys()}
+    del f  # release the memory map before the file is replaced
+    edit(tensors)
+    save_file(tensors, ckpt_dir / "model.safetensors")
+
+
 def _copy_checkpoint(src, dst):
     import shutil
     shutil.copytree(src, dst)
@@ -213,12 +223,8 @@ def test_corrupted_safetensors_is_a_clear_error(tiny, tmp_path):
 
 def test_missing_tensor_is_named(tiny, tmp_path):
     _, path, _, _, _ = tiny
-    from erpo_jax.model.safetensors_io import SafetensorsFile, save_file
     bad = _copy_checkpoint(path, tmp_path / "missing")
-    f = SafetensorsFile(bad / "model.safetensors")
-    tensors = {k: np.array(f[k]) for k in f.keys() if k != "model.layers.1.mlp.up_proj.weight"}
-    del f
-    save_file(tensors, bad / "model.safetensors")
+    _rewrite_tensors(bad, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         hf_lib.load_hf(bad)
 
@@ -231,13 +237,9 @@ def test_unknown_architecture_and_unmapped_key(tiny, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="Unknown architecture.*Mamba"):
         hf_lib.load_hf(bad)
-    from erpo_jax.model.safetensors_io import SafetensorsFile, save_file
     extra = _copy_checkpoint(path, tmp_path / "extra")
-    f = SafetensorsFile(extra / "model.safetensors")
-    tensors = {k: np.array(f[k]) for k in f.keys()}
-    tensors["model.layers.0.mlp.router.weight"] = np.zeros((2, 2), np.float32)
-    del f
-    save_file(tensors, extra / "model.safetensors")
+    _rewrite_tensors(extra, lambda t: t.__setitem__("model.layers.0.mlp.router.weight",
+                                                    np.zeros((2, 2), np.float32)))
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.router\.weight' matches no"):
         hf_lib.load_hf(extra)
 
