@@ -12,6 +12,16 @@ tokens. Every sequence shares one time axis of *slots*: a token written at
 slot s may attend to key slots <= s whose mask is 1. Prefill and one-token
 decode are the same code: with a `KVCache`, the T new tokens are written at
 slots [cache.index, cache.index + T) and attend to everything cached so far.
+
+Two ways through the layers. Without a cache (training, scoring) the layers
+run in one `nn.scan` over stacked [L, ...] parameters: one compiled layer,
+fast compiles. With a cache (sampling) they run unrolled, layer by layer, on
+per-layer caches: each layer's cache is its own buffer, updated in place by
+the decode loop, and with `unstack_layers(params)` hoisted out of that loop
+each layer's weights are separate buffers too. Slicing layer l out of a
+stacked array inside a decode loop costs a copy of those weights per step on
+the CPU backend (measured: a quarter of a 25M model's decode step). Both paths
+apply the same `Block` module to the same parameters.
 """
 
 from __future__ import annotations
@@ -30,23 +40,31 @@ NEG_INF = -1e30  # finite, so fully masked (padding) rows give a uniform softmax
 
 
 class KVCache(NamedTuple):
-    """Preallocated keys and values for all layers.
+    """Preallocated keys and values, one buffer per layer.
 
-    k, v: [L, B, S, N, K] in the compute dtype; valid: bool[B, S] (slot holds a
-    real token); index: int32[] next slot to write.
+    k, v: tuples of L arrays [B, N, S, K] in the compute dtype (head-major, so
+    the attention matmuls read them without a transpose); valid: bool[B, S]
+    (slot holds a real token); index: int32[] next slot to write.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     valid: jax.Array
     index: jax.Array
+
+    def map_kv(self, fn) -> "KVCache":
+        """The cache with fn applied to every layer's k and v buffer."""
+        return self._replace(k=tuple(fn(a) for a in self.k), v=tuple(fn(a) for a in self.v))
+
+
+CACHE_AXES = ("batch", "act_kv_heads", "cache_length", None)  # logical axes of one k/v buffer
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
     dtype = dtype or cfg.jnp_compute_dtype
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.zeros((batch, length), bool), jnp.zeros((), jnp.int32))
+    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(zeros(), zeros(), jnp.zeros((batch, length), bool), jnp.zeros((), jnp.int32))
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -137,30 +155,28 @@ class Attention(nn.Module):
             k = RMSNorm(cfg, K, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+        constrain = self.sharding.constrain if self.sharding is not None else lambda x, _: x
         if layer_cache is not None:
-            # Write this layer's new keys/values into the all-layer cache in
-            # place and read the layer back; the cache is a scan carry, so no
-            # per-step copy of the whole cache (see Transformer.hidden).
-            ck, cv, layer = layer_cache
-            at = (layer, 0, cache_index, 0, 0)
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], at)
-            k = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False)
-            v = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False)
-            new_cache = (ck, cv, layer)
+            # This layer's buffers [B, N, S, K]: write the T new keys/values at
+            # cache_index in place and attend over all S slots.
+            ck, cv = layer_cache
+            at = (0, 0, cache_index, 0)
+            ck = jax.lax.dynamic_update_slice(ck, k.transpose(0, 2, 1, 3).astype(ck.dtype), at)
+            cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype), at)
+            k, v = constrain(ck, CACHE_AXES), constrain(cv, CACHE_AXES)
+            new_cache, kv = (k, v), "bnsk"
         else:
-            new_cache = None
-        if self.sharding is not None:
-            q = self.sharding.constrain(q, ("batch", "length", "act_heads", None))
-            k = self.sharding.constrain(k, ("batch", "cache_length", "act_kv_heads", None))
-            v = self.sharding.constrain(v, ("batch", "cache_length", "act_kv_heads", None))
+            k = constrain(k, ("batch", "length", "act_kv_heads", None))
+            v = constrain(v, ("batch", "length", "act_kv_heads", None))
+            new_cache, kv = None, "bsnk"
+        q = constrain(q, ("batch", "length", "act_heads", None))
 
         B, T = q.shape[:2]
         qg = q.reshape(B, T, N, H // N, K)
-        scores = jnp.einsum("btngk,bsnk->bngts", qg, k.astype(dt),
+        scores = jnp.einsum(f"btngk,{kv}->bngts", qg, k.astype(dt),
                             preferred_element_type=jnp.float32) * (K ** -0.5)
         probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1).astype(dt)
-        out = jnp.einsum("bngts,bsnk->btngk", probs, v.astype(dt)).reshape(B, T, H, K)
+        out = jnp.einsum(f"bngts,{kv}->btngk", probs, v.astype(dt)).reshape(B, T, H, K)
         return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
 
 
@@ -183,12 +199,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer; the scan body.
+    """One pre-norm decoder layer: the body of the layer scan, and what the
+    cached path applies layer by layer.
 
-    carry = (x, cache): hidden states and either None or (k [L,B,S,N,K],
-    v [L,B,S,N,K], layer int32[]). The whole cache rides in the carry and is
-    updated in place at [layer, :, cache_index]: scanning it as per-layer xs/ys
-    would make XLA copy every layer's cache on every decode step.
+    carry = (x, layer_cache): hidden states and either None or this layer's
+    (k, v) buffers [B, N, S, K], returned updated.
     """
 
     cfg: ModelConfig
@@ -206,8 +221,6 @@ class Block(nn.Module):
             RMSNorm(cfg, cfg.hidden_size, name="post_attn_norm")(x))
         if self.sharding is not None:
             x = self.sharding.constrain(x, ("batch", "length", "act_embed"))
-        if new_cache is not None:
-            new_cache = (new_cache[0], new_cache[1], new_cache[2] + 1)
         return (x, new_cache), None
 
 
@@ -235,42 +248,41 @@ class Transformer(nn.Module):
             self.lm_head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size),
                                   ("embed", "vocab"), nn.initializers.normal(0.02), cfg)
 
-    def hidden(self, tokens, positions, attn_mask, cache: KVCache | None):
-        """Final-normed hidden states [B, T, D] and the updated cache."""
-        cfg = self.cfg
-        x = jnp.take(self.embedding, tokens, axis=0).astype(cfg.jnp_compute_dtype)
-        if self.sharding is not None:
-            x = self.sharding.constrain(x, ("batch", "length", "act_embed"))
-        cos, sin = rope_tables(cfg, positions)
-        T = tokens.shape[1]
-        mask = attn_mask.astype(bool)
-        if cache is None:
-            q_slot = jnp.arange(T)
-            key_valid = mask
-            layer_caches, index = None, jnp.zeros((), jnp.int32)
-        else:
-            index = cache.index
-            q_slot = index + jnp.arange(T)
-            key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, index))
-            layer_caches = (cache.k, cache.v, jnp.zeros((), jnp.int32))
-        k_slot = jnp.arange(key_valid.shape[1])
-        allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]
-        bias = jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)  # [B, T, S]
-        (x, new_layer_caches), _ = self.layers((x, layer_caches), cos, sin, bias, index)
-        x = self.final_norm(x)
-        new_cache = None
-        if cache is not None:
-            new_cache = KVCache(new_layer_caches[0], new_layer_caches[1], key_valid, index + T)
-        return x, new_cache
+    def hidden(self, tokens, positions, attn_mask):
+        """Final-normed hidden states [B, T, D] of a cacheless pass (layer scan)."""
+        x, cos, sin, bias, _ = _layer_inputs(self.embedding, self.cfg, self.sharding, tokens,
+                                             positions, attn_mask, None)
+        (x, _), _ = self.layers((x, None), cos, sin, bias, jnp.zeros((), jnp.int32))
+        return self.final_norm(x)
 
     def logits(self, h):
         """float32 logits for hidden states h [..., D] -> [..., V]."""
-        w = self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head
-        return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return _logits(h, self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head)
 
-    def __call__(self, tokens, positions, attn_mask, cache=None):
-        h, cache = self.hidden(tokens, positions, attn_mask, cache)
-        return self.logits(h), cache
+    def __call__(self, tokens, positions, attn_mask):
+        return self.logits(self.hidden(tokens, positions, attn_mask))
+
+
+def _layer_inputs(embedding, cfg: ModelConfig, sharding: Sharding | None, tokens, positions,
+                  attn_mask, cache: KVCache | None):
+    """What every layer takes: embedded tokens x [B, T, D], RoPE cos/sin, the
+    additive attention bias float32[B, T, S], and the cache's key-valid mask
+    with the new tokens written in (None without a cache)."""
+    x = jnp.take(embedding, tokens, axis=0).astype(cfg.jnp_compute_dtype)
+    if sharding is not None:
+        x = sharding.constrain(x, ("batch", "length", "act_embed"))
+    cos, sin = rope_tables(cfg, positions)
+    T = tokens.shape[1]
+    mask = attn_mask.astype(bool)
+    if cache is None:
+        q_slot, key_valid = jnp.arange(T), mask
+    else:
+        q_slot = cache.index + jnp.arange(T)
+        key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
+    k_slot = jnp.arange(key_valid.shape[1])
+    allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]
+    bias = jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)  # [B, T, S]
+    return x, cos, sin, bias, (None if cache is None else key_valid)
 
 
 # ----------------------------------------------------------------------------- pure API
@@ -287,34 +299,80 @@ def _module(cfg: ModelConfig, sharding: Sharding | None) -> Transformer:
     return Transformer(cfg, sharding)
 
 
+@functools.lru_cache(maxsize=None)
+def _block(cfg: ModelConfig, sharding: Sharding | None) -> Block:
+    return Block(cfg, sharding)
+
+
+def unstack_layers(params) -> dict:
+    """params with the stacked [L, ...] layer subtree replaced by a tuple of L
+    per-layer subtrees (copies). Call it once, outside a decode loop, and pass
+    the result to the cached `forward`/`hidden_states`: the loop then reads
+    each layer's weights in place instead of slicing them every step."""
+    layers = params["layers"]
+    if isinstance(layers, tuple):
+        return params
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree_util.tree_map(lambda a, l=l: a[l], layers)
+                                      for l in range(n))}
+
+
+def _hidden_cached(params, cfg: ModelConfig, tokens, positions, attn_mask, cache: KVCache,
+                   sharding: Sharding | None):
+    """The cached path: the layers unrolled, each on its own cache buffers."""
+    layers = unstack_layers(params)["layers"]
+    if len(layers) != cfg.num_layers or len(cache.k) != cfg.num_layers:
+        raise ValueError(f"cached forward: {len(layers)} parameter layers and {len(cache.k)} "
+                         f"cache layers for a {cfg.num_layers}-layer model.")
+    x, cos, sin, bias, key_valid = _layer_inputs(params["embed"], cfg, sharding, tokens,
+                                                 positions, attn_mask, cache)
+    block, ks, vs = _block(cfg, sharding), [], []
+    for lp, ck, cv in zip(layers, cache.k, cache.v):
+        (x, (ck, cv)), _ = block.apply({"params": lp}, (x, (ck, cv)), cos, sin, bias,
+                                       cache.index)
+        ks.append(ck)
+        vs.append(cv)
+    x = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, cfg.jnp_compute_dtype)
+    return x, KVCache(tuple(ks), tuple(vs), key_valid, cache.index + tokens.shape[1])
+
+
+def _defaults(tokens, positions, attn_mask):
+    if attn_mask is None:
+        attn_mask = jnp.ones(tokens.shape, bool)
+    if positions is None:
+        positions = positions_from_mask(attn_mask)
+    return positions, attn_mask
+
+
 def forward(params, cfg: ModelConfig, tokens, positions=None, attn_mask=None,
             cache: KVCache | None = None, sharding: Sharding | None = None):
     """Logits float32[B, T, V] and the updated cache (None without a cache).
 
     tokens: int32[B, T]; positions: int32[B, T] (default: from the mask);
-    attn_mask: [B, T], 1 for real tokens (default: all ones).
+    attn_mask: [B, T], 1 for real tokens (default: all ones). With a cache,
+    params may come from `unstack_layers`.
     """
-    if attn_mask is None:
-        attn_mask = jnp.ones(tokens.shape, bool)
-    if positions is None:
-        positions = positions_from_mask(attn_mask)
-    return _module(cfg, sharding).apply({"params": params}, tokens, positions, attn_mask, cache)
+    h, cache = hidden_states(params, cfg, tokens, positions, attn_mask, cache, sharding)
+    return head_logits(params, cfg, h, sharding), cache
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, positions=None, attn_mask=None,
                   cache: KVCache | None = None, sharding: Sharding | None = None):
     """Final-normed hidden states [B, T, D] (compute dtype) and the updated cache."""
-    if attn_mask is None:
-        attn_mask = jnp.ones(tokens.shape, bool)
-    if positions is None:
-        positions = positions_from_mask(attn_mask)
-    return _module(cfg, sharding).apply({"params": params}, tokens, positions, attn_mask, cache,
-                                        method=Transformer.hidden)
+    positions, attn_mask = _defaults(tokens, positions, attn_mask)
+    if cache is not None:
+        return _hidden_cached(params, cfg, tokens, positions, attn_mask, cache, sharding)
+    return _module(cfg, sharding).apply({"params": params}, tokens, positions, attn_mask,
+                                        method=Transformer.hidden), None
 
 
 def head_logits(params, cfg: ModelConfig, h, sharding: Sharding | None = None):
     """float32 logits [..., V] from hidden states [..., D]."""
-    return _module(cfg, sharding).apply({"params": params}, h, method=Transformer.logits)
+    return _logits(h, params["embed"].T if cfg.tie_word_embeddings else params["lm_head"])
+
+
+def _logits(h, w):
+    return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 def _boxed_init(cfg: ModelConfig, rng, sharding: Sharding | None = None):

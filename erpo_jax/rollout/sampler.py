@@ -35,6 +35,10 @@ Donation. The KV cache is created, grown and dropped inside the one jitted
 call: the while_loop carries it, so XLA updates it in place and it never
 crosses the jit boundary; there is no argument left worth donating (the
 prompts are a few KB).
+
+Memory. The sampler makes one per-layer copy of the layer weights per call
+(`model.unstack_layers`), so while it runs the policy's layer parameters are
+held twice; in exchange no decode step copies weights.
 """
 
 from __future__ import annotations
@@ -249,6 +253,10 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     constrain = (lambda x, axes: sharding.constrain(x, axes)) if sharding else (lambda x, axes: x)
     prompt_mask = prompt_mask.astype(bool)
 
+    # Per-layer weight buffers, made once here so the decode loop does not
+    # slice the stacked [L, ...] arrays every step (see model.unstack_layers).
+    params = model_lib.unstack_layers(params)
+
     # Prefill the B prompts once; only the last position's logits are needed.
     cache = model_lib.init_cache(cfg, B, S)
     h, cache = model_lib.hidden_states(params, cfg, prompt_tokens,
@@ -258,11 +266,8 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
 
     # Share the prefill: row b * G + g continues prompt b.
     rep = lambda x, axis: jnp.repeat(x, G, axis=axis) if G > 1 else x
-    cache = model_lib.KVCache(
-        constrain(rep(cache.k, 1), ("layers", "batch", "cache_length", "act_kv_heads", None)),
-        constrain(rep(cache.v, 1), ("layers", "batch", "cache_length", "act_kv_heads", None)),
-        constrain(rep(cache.valid, 0), ("batch", "cache_length")),
-        cache.index)
+    cache = cache.map_kv(lambda a: constrain(rep(a, 0), model_lib.CACHE_AXES))
+    cache = cache._replace(valid=constrain(rep(cache.valid, 0), ("batch", "cache_length")))
     logits = constrain(rep(logits, 0), ("batch", None))
     row_mask = rep(prompt_mask, 0)
     rows = constrain(jnp.arange(R, dtype=jnp.int32), ("batch",))
