@@ -259,3 +259,31 @@ def test_pickle_checkpoints_are_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
     with pytest.raises(ValueError, match="pickle checkpoints are never loaded"):
         hf_lib.open_safetensors(tmp_path)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,n_in", [
+    ((3, 5, 4), (4, 6), 1),          # in < out: the gradient transposes x
+    ((3, 5, 8), (8, 2), 1),          # in > out: the gradient transposes g
+    ((3, 5, 2, 3), (2, 3, 4), 2),    # two contracted axes (the attention output)
+    ((3, 5, 4), (4, 2, 3), 1),       # two output axes (q/k/v projections)
+])
+def test_dense_gradient_equals_tensordot(x_shape, w_shape, n_in):
+    from erpo_jax.model.dense import _dense_cpu, dense
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    cot = jax.random.normal(kg, x_shape[:len(x_shape) - n_in] + w_shape[n_in:])
+    for f in (dense, lambda a, b, n: _dense_cpu(a, b, n, None)):
+        y, vjp = jax.vjp(lambda a, b: f(a, b, n_in), x, w)
+        y_ref, vjp_ref = jax.vjp(lambda a, b: jnp.tensordot(a, b, n_in), x, w)
+        np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+        for got, want in zip(vjp(cot), vjp_ref(cot)):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # bfloat16 operands with a float32 result (the LM head): gradients keep the operand dtypes.
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    gx, gw = jax.grad(lambda a, b: _dense_cpu(a, b, n_in, jnp.float32).sum(), (0, 1))(xb, wb)
+    rx, rw = jax.grad(lambda a, b: jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32),
+                                                 n_in).sum(), (0, 1))(xb, wb)
+    assert gx.dtype == gw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(gx.astype(jnp.float32), rx, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(gw.astype(jnp.float32), rw, rtol=2e-2, atol=2e-2)

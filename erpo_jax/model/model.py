@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.dense import dense
 from erpo_jax.model.sharding import Sharding
 
 NEG_INF = -1e30  # finite, so fully masked (padding) rows give a uniform softmax, not NaN
@@ -142,9 +143,9 @@ class Attention(nn.Module):
         wk = _param(self, "k_proj", (D, N, K), ("embed", "kv_heads", "head_dim"), init, cfg)
         wv = _param(self, "v_proj", (D, N, K), ("embed", "kv_heads", "head_dim"), init, cfg)
         wo = _param(self, "o_proj", (H, K, D), ("heads", "head_dim", "embed"), init, cfg)
-        q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))
-        k = jnp.einsum("btd,dnk->btnk", x, wk.astype(dt))
-        v = jnp.einsum("btd,dnk->btnk", x, wv.astype(dt))
+        q = dense(x, wq.astype(dt))
+        k = dense(x, wk.astype(dt))
+        v = dense(x, wv.astype(dt))
         if cfg.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + _param(self, "q_bias", (H, K), ("heads", "head_dim"), zeros, cfg).astype(dt)
@@ -177,7 +178,7 @@ class Attention(nn.Module):
                             preferred_element_type=jnp.float32) * (K ** -0.5)
         probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1).astype(dt)
         out = jnp.einsum(f"bngts,{kv}->btngk", probs, v.astype(dt)).reshape(B, T, H, K)
-        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
+        return dense(out, wo.astype(dt), 2), new_cache
 
 
 class MLP(nn.Module):
@@ -192,10 +193,10 @@ class MLP(nn.Module):
         wg = _param(self, "gate_proj", (D, F), ("embed", "mlp"), init, cfg)
         wu = _param(self, "up_proj", (D, F), ("embed", "mlp"), init, cfg)
         wd = _param(self, "down_proj", (F, D), ("mlp", "embed"), init, cfg)
-        h = jax.nn.silu(x @ wg.astype(dt)) * (x @ wu.astype(dt))
+        h = jax.nn.silu(dense(x, wg.astype(dt))) * dense(x, wu.astype(dt))
         if self.sharding is not None:
             h = self.sharding.constrain(h, ("batch", "length", "act_mlp"))
-        return h @ wd.astype(dt)
+        return dense(h, wd.astype(dt))
 
 
 class Block(nn.Module):
@@ -372,7 +373,7 @@ def head_logits(params, cfg: ModelConfig, h, sharding: Sharding | None = None):
 
 
 def _logits(h, w):
-    return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return dense(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 def _boxed_init(cfg: ModelConfig, rng, sharding: Sharding | None = None):
