@@ -186,3 +186,47 @@ def test_rollout_in_chunks_joins_to_the_whole_batch():
                   "lengths", "truncated"):
         np.testing.assert_array_equal(getattr(parts, field), getattr(whole, field), field)
     np.testing.assert_allclose(parts.logp, whole.logp, atol=1e-5)
+
+
+_COMPILE_EVENTS = []
+
+
+def _on_duration(event, duration, **kwargs):
+    if event.startswith("/jax/core/compile/") and kwargs.get("fun_name") == "jit(update)":
+        _COMPILE_EVENTS.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.mark.parametrize("extra", [
+    ("loss.beta_query=0.1", "algo.weight_scheme=likelihood"),      # ERPO
+    ("loss.beta_policy=0.04", "optim.num_minibatches=2"),          # ref_logp, 2 mini-batches
+    ("algo.advantage=gae",),                                       # per-token advantages + critic
+])
+def test_compile_ahead_covers_the_first_update(sft_model, tmp_path, extra):
+    """The update compiled in the background for step 0's shapes is the one the
+    first real update uses: no tracing or compiling happens inside it."""
+    cfg = load_config(None, _rl(sft_model, tmp_path / "run", "train.steps=1", *extra))
+    t = Trainer(cfg)
+    try:
+        assert t._compiling is not None
+        t._wait_for_compile()
+        batch, cb, *_ = t._rl_batch(0)
+        _COMPILE_EVENTS.clear()
+        t._update(batch, cb, 0)
+        assert _COMPILE_EVENTS == []
+    finally:
+        t.close()
+    # The switch: with compile_ahead off the first update lowers (and compiles).
+    cfg = load_config(None, _rl(sft_model, tmp_path / "off", "train.steps=1",
+                                "train.compile_ahead=false", *extra))
+    t = Trainer(cfg)
+    try:
+        assert t._compiling is None
+        batch, cb, *_ = t._rl_batch(0)
+        _COMPILE_EVENTS.clear()
+        t._update(batch, cb, 0)
+        assert "/jax/core/compile/jaxpr_to_mlir_module_duration" in _COMPILE_EVENTS
+    finally:
+        t.close()

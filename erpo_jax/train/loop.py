@@ -11,7 +11,9 @@ never runs the reference model.
 from __future__ import annotations
 
 import signal
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_batch
 from erpo_jax.rl.kl import kl_penalized_rewards
 from erpo_jax.rl.query_kl import query_kl
-from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
+from erpo_jax.rollout.sampler import Sampler, SamplingConfig, bucket_length, rollout_key
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, save_config, validate
@@ -86,25 +88,6 @@ class Trainer:
         self.G, self.B = cfg.rollout.group_size, t.batch_size
         self.ref_forward_calls = 0
 
-        # One-time reference pass (the initial policy is the reference).
-        cache_dir = Path(t.ref_cache_dir) if t.ref_cache_dir else self.run_dir.parent / ".refcache"
-        phash = ref_lib.params_digest(params)
-        common = dict(tokenizer_id=self.tokenizer.identity, template=self.task.template_id,
-                      params_hash=phash, batch_size=t.ref_batch_size,
-                      pad_id=self.tokenizer.pad_id, chunk_size=cfg.model.logprob_chunk,
-                      sharding=self.sharding, progress=t.progress)
-        self.ref_cache, _ = ref_lib.load_or_compute(params, self.model_cfg,
-                                                    self.task.train_prompts, cache_dir, **common)
-        self.weights = self.ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min,
-                                              a.weight_max)
-        drift = [p for group in zip(*self.task.eval_sets.values()) for p in group]
-        self.drift_prompts = self.task.prompts(drift[:t.drift_queries])
-        self.drift_cache, _ = ref_lib.load_or_compute(params, self.model_cfg, self.drift_prompts,
-                                                      cache_dir, **common)
-        # The reference weights stay in memory only if a per-step term needs them.
-        need_ref = lc.needs_ref_logp or t.policy_kl_metric
-        self.ref_params = jax.tree_util.tree_map(jnp.copy, params) if need_ref else None
-
         o = cfg.optim
         total = t.steps * o.epochs * o.num_minibatches
         self.tx, self.schedule = step_lib.make_optimizer(o, total)
@@ -129,15 +112,40 @@ class Trainer:
         self.t1_logp_fn = step_lib.make_logprob_fn(self.model_cfg, 1.0, cfg.model.logprob_chunk,
                                                    self.sharding)
         self.iterator = QueryBatchIterator(len(self.task.train), self.B, t.seed)
+        self.ckpt = ckpt_lib.Checkpointer(self.run_dir / "checkpoints", t.keep_checkpoints,
+                                          t.ckpt_every)
+        latest = self.ckpt.latest_step()
+        self.start_step = 0 if latest is None else latest
+        self._compiling = None
+        if t.compile_ahead and jax.process_count() == 1:
+            self._compiling = threading.Thread(target=self._compile_update,
+                                               args=(self.start_step,), daemon=True)
+            self._compiling.start()
+
+        # One-time reference pass (the initial policy is the reference).
+        cache_dir = Path(t.ref_cache_dir) if t.ref_cache_dir else self.run_dir.parent / ".refcache"
+        phash = ref_lib.params_digest(params)
+        common = dict(tokenizer_id=self.tokenizer.identity, template=self.task.template_id,
+                      params_hash=phash, batch_size=t.ref_batch_size,
+                      pad_id=self.tokenizer.pad_id, chunk_size=cfg.model.logprob_chunk,
+                      sharding=self.sharding, progress=t.progress)
+        self.ref_cache, _ = ref_lib.load_or_compute(params, self.model_cfg,
+                                                    self.task.train_prompts, cache_dir, **common)
+        self.weights = self.ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min,
+                                              a.weight_max)
+        drift = [p for group in zip(*self.task.eval_sets.values()) for p in group]
+        self.drift_prompts = self.task.prompts(drift[:t.drift_queries])
+        self.drift_cache, _ = ref_lib.load_or_compute(params, self.model_cfg, self.drift_prompts,
+                                                      cache_dir, **common)
+        # The reference weights stay in memory only if a per-step term needs them.
+        need_ref = lc.needs_ref_logp or t.policy_kl_metric
+        self.ref_params = jax.tree_util.tree_map(jnp.copy, params) if need_ref else None
+
         if critic is not None:
             self.values_fn = jax.jit(lambda c, tok, m: critic_lib.values(c, self.model_cfg, tok, m))
         self.evaluator = Evaluator(self.model_cfg, self.task, cfg, self.sharding)
         self.seed_key = jax.random.key(t.seed)
         self.writer = MetricsWriter(self.run_dir, self.primary)
-        self.ckpt = ckpt_lib.Checkpointer(self.run_dir / "checkpoints", t.keep_checkpoints,
-                                          t.ckpt_every)
-        self.start_step = 0
-        latest = self.ckpt.latest_step()
         if latest is not None:
             self.state, meta = self.ckpt.restore(self.state, latest)
             self.start_step = int(meta["step"])
@@ -146,6 +154,49 @@ class Trainer:
         self._stop = False
 
     # ------------------------------------------------------------------ pieces
+
+    def update_arguments(self, step: int):
+        """Abstract (state, mini-batch, critic batch) of step `step`'s update
+        calls: the rollout's width is the length bucket of that step's longest
+        prompt plus max_new_tokens (what `_rl_batch` and `_update` produce)."""
+        sc, o, G = self.sampler.sampling, self.cfg.optim, self.G
+        prompts = [self.task.train_prompts[i] for i in self.iterator.batch_at(step)]
+        T = bucket_length(max(len(p) for p in prompts), sc.min_bucket,
+                          sc.max_prompt_len) + sc.max_new_tokens
+        rows = self.B // o.num_minibatches * G
+
+        def arg(dtype, *shape):  # as _put places a [rows, *shape] array
+            logical = ("batch", None)[:1 + len(shape)]
+            sh = None if self.sharding is None else self.sharding.named(logical)
+            return jax.ShapeDtypeStruct((rows, *shape), dtype, sharding=sh)
+
+        lc, per_token = self.cfg.loss, adv_lib.needs_critic(self.cfg.algo.advantage)
+        f32, tok = lambda: arg(jnp.float32, T - 1), lambda: arg(jnp.bool_, T - 1)
+        batch = RLBatch(
+            tokens=arg(jnp.int32, T), attn_mask=arg(jnp.bool_, T), query_mask=tok(),
+            response_mask=tok(), old_logp=f32(),
+            advantages=f32() if per_token else arg(jnp.float32),
+            ref_query_logp=f32(), query_weight=arg(jnp.float32), group_id=arg(jnp.int32),
+            ref_logp=f32() if lc.needs_ref_logp else None)
+        critic = step_lib.CriticBatch(f32(), f32()) if per_token else None
+        state = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
+        return state, batch, critic
+
+    def _compile_update(self, step: int) -> None:
+        """Compile the update for step `step`'s shapes (runs in a thread; the
+        compiled program lands in jit's cache, so the first real call reuses it).
+        A failure here only costs the overlap: the first call compiles as usual."""
+        try:
+            self.update.lower(*self.update_arguments(step)).compile()
+        except Exception as e:  # noqa: BLE001 - never let the warm-up kill a run
+            warnings.warn(f"compile-ahead of the update failed ({type(e).__name__}: {e}); "
+                          "the first update compiles when it runs.", stacklevel=1)
+
+    def _wait_for_compile(self) -> None:
+        if self._compiling is not None:
+            self._compiling.join()
+            self._compiling = None
 
     def _rl_batch(self, step: int):
         cfg, G = self.cfg, self.G
@@ -207,6 +258,7 @@ class Trainer:
         return batch, critic_batch, info, times, ro
 
     def _update(self, batch: RLBatch, critic_batch, step: int) -> dict:
+        self._wait_for_compile()
         o, G, B = self.cfg.optim, self.G, self.B
         rng = np.random.default_rng([self.cfg.train.seed, 3, step])
         per_mb = B // o.num_minibatches
@@ -351,6 +403,7 @@ class Trainer:
         return res
 
     def close(self) -> None:
+        self._wait_for_compile()
         self.task.close()
         self.ckpt.close()
 
