@@ -311,10 +311,16 @@ def plot(runs: Sequence[dict], out_dir: str | Path, keys=PLOT_KEYS) -> list[Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
+    groups = group(runs)
+    many = len(groups) > 6  # legend beside the axes, fainter bands
+    # Distinct styles for up to 40 methods: 20 colours x 2 line styles.
+    colors = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20").colors
+    styles = [(colors[i % len(colors)], "-" if i < len(colors) else "--")
+              for i in range(len(groups))]
     for key, title in keys:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
+        fig, ax = plt.subplots(figsize=(8.5 if many else 6, 3.6))
         drawn = False
-        for name, rs in group(runs).items():
+        for (name, rs), (color, style) in zip(groups.items(), styles):
             curves = [series(r, key) for r in rs]
             curves = [c for c in curves if c[0].size]
             if not curves:
@@ -322,15 +328,18 @@ def plot(runs: Sequence[dict], out_dir: str | Path, keys=PLOT_KEYS) -> list[Path
             n = min(len(c[0]) for c in curves)
             steps = curves[0][0][:n]
             vals = np.stack([c[1][:n] for c in curves])
-            line, = ax.plot(steps, vals.mean(0), label=f"{name} (n={len(curves)})")
+            ax.plot(steps, vals.mean(0), style, color=color, label=f"{name} (n={len(curves)})")
             if len(curves) > 1:
-                ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.2,
-                                color=line.get_color())
+                ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.1 if many else 0.2,
+                                color=color)
             drawn = True
         if drawn:
             ax.set_xlabel("RL step")
             ax.set_title(title)
-            ax.legend(fontsize=7)
+            if many:
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+            else:
+                ax.legend(fontsize=7)
             fig.tight_layout()
             path = out_dir / f"{key.replace('/', '_')}.png"
             fig.savefig(path, dpi=100)
