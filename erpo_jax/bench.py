@@ -292,7 +292,10 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
                  beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1)) -> dict:
     """Time `iters` RL steps through the Trainer's own `_rl_batch` + `_update`
     (rollout, arithmetic exact-match reward, GRPO advantages, the reference
-    forward for Policy-KL, the update). Iteration 0 includes compilation.
+    forward for Policy-KL, the update). Iteration 0 includes compilation;
+    setup_s is the Trainer's construction (policy, task, reference pass), during
+    which the update already compiles in the background (train.compile_ahead),
+    so setup_s + first_iter_s is the time to the first finished step.
     mesh: (data, fsdp, tensor), the Trainer's default (all devices on data)."""
     from erpo_jax.train import loop as loop_lib
     from erpo_jax.train.config import (DataSection, MeshSection, ModelSection, OptimSection,
@@ -442,12 +445,13 @@ def _print_tables(res: dict) -> None:
     if rows:
         print("\nWhole RL iteration (Trainer._rl_batch + _update; Policy-KL beta "
               f"{rows[0]['beta_policy']}, reference forward each step)")
-        print(f"{'config':<8}{'prompts x G':>12}{'P + N':>10}{'first s':>9}{'steady s':>10}"
-              f"{'rollout':>9}{'reward':>8}{'ref':>8}{'update':>8}")
+        print(f"{'config':<8}{'prompts x G':>12}{'P + N':>10}{'setup s':>9}{'first s':>9}"
+              f"{'steady s':>10}{'rollout':>9}{'reward':>8}{'ref':>8}{'update':>8}")
         for x in rows:
             b = x["steady_breakdown_s"]
             print(f"{x['name']:<8}{x['prompts']:>7} x {x['group']:<3}"
-                  f"{x['prompt_len']:>5} +{x['new_tokens']:>4}{x['first_iter_s']:>9.2f}"
+                  f"{x['prompt_len']:>5} +{x['new_tokens']:>4}{x['setup_s']:>9.2f}"
+                  f"{x['first_iter_s']:>9.2f}"
                   f"{x['steady_iter_s']:>10.4f}{b['time/rollout']:>9.4f}{b['time/reward']:>8.4f}"
                   f"{b['time/ref']:>8.4f}{b['time/update']:>8.4f}")
     mem = res.get("memory") or []
