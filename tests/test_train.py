@@ -49,6 +49,7 @@ def test_cli_train_each_algorithm_with_erpo(sft_model, tmp_path, algo):
                 "lr", "time/rollout", "time/update", "tokens_per_sec", "term_query_kl"):
         assert key in rows[-1], key
     assert rows[-1]["term_query_kl"] >= 0
+    assert list((out / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
     saved = json.loads((out / "config.json").read_text())
     assert saved["algo"]["advantage"] == algo and saved["loss"]["beta_query"] == 0.1
     if algo == "gae":
@@ -192,8 +193,12 @@ _COMPILE_EVENTS = []
 
 
 def _on_duration(event, duration, **kwargs):
-    if event.startswith("/jax/core/compile/") and kwargs.get("fun_name") == "jit(update)":
-        _COMPILE_EVENTS.append(event)
+    if event.startswith("/jax/core/compile/") and kwargs.get("fun_name") in _AHEAD:
+        _COMPILE_EVENTS.append((kwargs["fun_name"], event))
+
+
+# What the Trainer compiles ahead: the update, the rollout, the reference forward.
+_AHEAD = ("jit(update)", "jit(rollout_fn)", "jit(logprob_fn)")
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -201,32 +206,38 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 @pytest.mark.parametrize("extra", [
     ("loss.beta_query=0.1", "algo.weight_scheme=likelihood"),      # ERPO
-    ("loss.beta_policy=0.04", "optim.num_minibatches=2"),          # ref_logp, 2 mini-batches
+    # ref_logp, 2 mini-batches; a response length no other test uses, so the
+    # reference forward's shape is compiled here first.
+    ("loss.beta_policy=0.04", "optim.num_minibatches=2", "rollout.max_new_tokens=12"),
     ("algo.advantage=gae",),                                       # per-token advantages + critic
 ])
-def test_compile_ahead_covers_the_first_update(sft_model, tmp_path, extra):
-    """The update compiled in the background for step 0's shapes is the one the
-    first real update uses: no tracing or compiling happens inside it."""
+def test_compile_ahead_covers_the_first_step(sft_model, tmp_path, extra):
+    """The rollout, reference forward and update compiled in the background for
+    step 0's shapes are what the first step uses: nothing of them is lowered
+    or compiled inside the step."""
     cfg = load_config(None, _rl(sft_model, tmp_path / "run", "train.steps=1", *extra))
     t = Trainer(cfg)
     try:
         assert t._compiling is not None
         t._wait_for_compile()
-        batch, cb, *_ = t._rl_batch(0)
         _COMPILE_EVENTS.clear()
+        batch, cb, *_ = t._rl_batch(0)
         t._update(batch, cb, 0)
         assert _COMPILE_EVENTS == []
     finally:
         t.close()
-    # The switch: with compile_ahead off the first update lowers (and compiles).
+    # The switch: with compile_ahead off the first step lowers (and compiles) them.
     cfg = load_config(None, _rl(sft_model, tmp_path / "off", "train.steps=1",
                                 "train.compile_ahead=false", *extra))
     t = Trainer(cfg)
     try:
         assert t._compiling is None
-        batch, cb, *_ = t._rl_batch(0)
         _COMPILE_EVENTS.clear()
+        batch, cb, *_ = t._rl_batch(0)
         t._update(batch, cb, 0)
-        assert "/jax/core/compile/jaxpr_to_mlir_module_duration" in _COMPILE_EVENTS
+        lowered = {f for f, e in _COMPILE_EVENTS if e.endswith("jaxpr_to_mlir_module_duration")}
+        # (jit shares executables between equal closures, so the reference
+        # forward compiled by the first Trainer is not lowered again here.)
+        assert {"jit(update)", "jit(rollout_fn)"} <= lowered
     finally:
         t.close()

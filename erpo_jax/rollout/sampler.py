@@ -327,15 +327,15 @@ def make_sample_fn(cfg: ModelConfig, sc: SamplingConfig, sharding: Sharding | No
     """
     sc.check_model(cfg)
 
-    def fn(params, prompt_tokens, prompt_mask, rng):
+    def rollout_fn(params, prompt_tokens, prompt_mask, rng):
         if on_trace is not None:
             on_trace()
         return sample_rollout(params, prompt_tokens, prompt_mask, rng, cfg=cfg, sc=sc,
                               sharding=sharding)
 
     if sharding is None:
-        return jax.jit(fn)
-    return jax.jit(fn, out_shardings=rollout_shardings(sharding))
+        return jax.jit(rollout_fn)
+    return jax.jit(rollout_fn, out_shardings=rollout_shardings(sharding))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -412,6 +412,19 @@ class Sampler:
             tokens[i, P - a.size:] = a
             mask[i, P - a.size:] = True
         return tokens, mask, B
+
+    def compile(self, params, num_prompts: int, longest_prompt: int) -> None:
+        """Compile ahead of time for `num_prompts` prompts whose longest has
+        `longest_prompt` tokens (params may be arrays or ShapeDtypeStructs);
+        a later call with those shapes reuses the executable."""
+        sc = self.sampling
+        dp = self.sharding.data_size if self.sharding is not None else 1
+        B = -(-num_prompts // dp) * dp
+        P = bucket_length(longest_prompt, sc.min_bucket, sc.max_prompt_len)
+        rows = None if self.sharding is None else self.sharding.named(("batch", None))
+        abstract = lambda dtype: jax.ShapeDtypeStruct((B, P), dtype, sharding=rows)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        self._fn.lower(params, abstract(jnp.int32), abstract(jnp.bool_), key).compile()
 
     def run(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array) -> tuple[Rollout, int]:
         """(Rollout of device arrays over B' * G rows, number of real rows B * G).

@@ -135,8 +135,8 @@ class TrainSection:
     progress: bool = True
     ref_cache_dir: str = ""  # default: <out_dir>/../.refcache (shared by sibling runs)
     ref_batch_size: int = 64
-    # Compile the first step's update in a background thread while the reference
-    # pass and the first rollout run (single-process runs; see Trainer).
+    # Compile the first step's update, rollout and reference forward in a
+    # background thread while the reference pass runs (single-process runs).
     compile_ahead: bool = True
 
 

@@ -116,9 +116,9 @@ class Trainer:
                                           t.ckpt_every)
         latest = self.ckpt.latest_step()
         self.start_step = 0 if latest is None else latest
-        self._compiling = None
+        self._compiling, self._ahead_done = None, threading.Event()
         if t.compile_ahead and jax.process_count() == 1:
-            self._compiling = threading.Thread(target=self._compile_update,
+            self._compiling = threading.Thread(target=self._compile_ahead,
                                                args=(self.start_step,), daemon=True)
             self._compiling.start()
 
@@ -183,22 +183,56 @@ class Trainer:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
         return state, batch, critic
 
-    def _compile_update(self, step: int) -> None:
-        """Compile the update for step `step`'s shapes (runs in a thread; the
-        compiled program lands in jit's cache, so the first real call reuses it).
-        A failure here only costs the overlap: the first call compiles as usual."""
+    def _compile_ahead(self, step: int) -> None:
+        """Compile step `step`'s rollout, reference forward (with Policy-KL)
+        and update for its shapes, in the order the step needs them (runs in
+        a thread while the reference pass runs; the programs land in jit's
+        cache, so the first real calls reuse them; `_ahead_done` is set when
+        the rollout and reference forward are done). A failure only costs the
+        overlap: that program compiles when it first runs."""
         try:
-            self.update.lower(*self.update_arguments(step)).compile()
-        except Exception as e:  # noqa: BLE001 - never let the warm-up kill a run
-            warnings.warn(f"compile-ahead of the update failed ({type(e).__name__}: {e}); "
-                          "the first update compiles when it runs.", stacklevel=1)
+            for name, job in self._ahead_jobs(step):
+                if name == "update":
+                    self._ahead_done.set()
+                try:
+                    job()
+                except Exception as e:  # noqa: BLE001 - never let the warm-up kill a run
+                    warnings.warn(f"compile-ahead of the {name} failed ({type(e).__name__}: "
+                                  f"{e}); it compiles when it first runs.", stacklevel=1)
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"compile-ahead failed ({type(e).__name__}: {e}); programs compile "
+                          "when they first run.", stacklevel=1)
+        finally:
+            self._ahead_done.set()
 
-    def _wait_for_compile(self) -> None:
-        if self._compiling is not None:
-            self._compiling.join()
-            self._compiling = None
+    def _ahead_jobs(self, step: int) -> list:
+        """(name, compile function) for step `step`, in the order the step runs them."""
+        state, batch, critic = self.update_arguments(step)
+        prompts = [self.task.train_prompts[i] for i in self.iterator.batch_at(step)]
+        chunk = self.cfg.rollout.max_prompts_per_call or len(prompts)
+        jobs = [("rollout", lambda c=c: self.sampler.compile(
+            state.params, len(c), max(len(p) for p in c)))
+            for c in (prompts[i:i + chunk] for i in range(0, len(prompts), chunk))]
+        if self.cfg.loss.needs_ref_logp:
+            rows = lambda a: a.update(shape=(self.B * self.G, a.shape[1]))
+            jobs.append(("reference forward", lambda: self.ref_logp_fn.lower(
+                state.params, rows(batch.tokens), rows(batch.attn_mask)).compile()))
+        jobs.append(("update", lambda: self.update.lower(state, batch, critic).compile()))
+        return jobs
+
+    def _wait_for_compile(self, everything: bool = True) -> None:
+        """Block until the compile-ahead thread is done (everything=False: until
+        what a rollout and reference forward need is)."""
+        if self._compiling is None:
+            return
+        if not everything:
+            self._ahead_done.wait()
+            return
+        self._compiling.join()
+        self._compiling = None
 
     def _rl_batch(self, step: int):
+        self._wait_for_compile(everything=False)
         cfg, G = self.cfg, self.G
         self.iterator.step = step
         idx = next(self.iterator)

@@ -28,11 +28,18 @@ class MetricsWriter:
         self.primary = primary
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
+        # The TensorBoard writer is made at the first write: importing
+        # tensorboardX imports torch when it is installed (~1 s), which
+        # would otherwise delay the first step.
+        self._tb_dir = Path(run_dir) / "tb" if primary and tensorboard else None
         if primary:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    def _tensorboard(self):
+        if self._tb is None and self._tb_dir is not None:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(self._tb_dir))
+        return self._tb
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
         row = {"step": int(step), **to_python(metrics)}
@@ -40,10 +47,11 @@ class MetricsWriter:
             return row
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
+        tb = self._tensorboard()
+        if tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, float):
-                    self._tb.add_scalar(k, v, step)
+                    tb.add_scalar(k, v, step)
         return row
 
     def truncate_after(self, step: int) -> None:

@@ -226,5 +226,8 @@ def make_logprob_fn(model_cfg: ModelConfig, temperature: float, chunk_size: int 
                     sharding: Sharding | None = None):
     """Jitted (params, tokens, mask) -> logp float32[N, T-1] at `temperature`
     (the reference's response log-probs for Policy-KL)."""
-    return jax.jit(lambda p, t, m: token_logprobs(p, model_cfg, t, m, temperature=temperature,
-                                                  chunk_size=chunk_size, sharding=sharding).logp)
+    def logprob_fn(params, tokens, mask):
+        return token_logprobs(params, model_cfg, tokens, mask, temperature=temperature,
+                              chunk_size=chunk_size, sharding=sharding).logp
+
+    return jax.jit(logprob_fn)
