@@ -369,6 +369,14 @@ class Sampler:
     def _count_trace(self):
         self.num_traces += 1
 
+    def batch_shape(self, num_prompts: int, longest_prompt: int) -> tuple[int, int]:
+        """(B', P) of the padded prompt batch: B' = num_prompts rounded up to
+        the data-parallel size, P = the length bucket of the longest prompt."""
+        sc = self.sampling
+        dp = self.sharding.data_size if self.sharding is not None else 1
+        return (-(-num_prompts // dp) * dp,
+                bucket_length(longest_prompt, sc.min_bucket, sc.max_prompt_len))
+
     def prepare(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, int]:
         """Validate and left-pad: (tokens int32[B', P], mask bool[B', P], B).
 
@@ -402,9 +410,7 @@ class Sampler:
                                  f"vocabulary [0, {V}).")
             arrays.append(a.astype(np.int32))
         B = len(arrays)
-        dp = self.sharding.data_size if self.sharding is not None else 1
-        Bp = -(-B // dp) * dp
-        P = bucket_length(max(a.size for a in arrays), sc.min_bucket, sc.max_prompt_len)
+        Bp, P = self.batch_shape(B, max(a.size for a in arrays))
         tokens = np.full((Bp, P), sc.pad_id, np.int32)
         mask = np.zeros((Bp, P), bool)
         for i in range(Bp):
@@ -417,10 +423,7 @@ class Sampler:
         """Compile ahead of time for `num_prompts` prompts whose longest has
         `longest_prompt` tokens (params may be arrays or ShapeDtypeStructs);
         a later call with those shapes reuses the executable."""
-        sc = self.sampling
-        dp = self.sharding.data_size if self.sharding is not None else 1
-        B = -(-num_prompts // dp) * dp
-        P = bucket_length(longest_prompt, sc.min_bucket, sc.max_prompt_len)
+        B, P = self.batch_shape(num_prompts, longest_prompt)
         rows = None if self.sharding is None else self.sharding.named(("batch", None))
         abstract = lambda dtype: jax.ShapeDtypeStruct((B, P), dtype, sharding=rows)
         key = jax.eval_shape(lambda: jax.random.key(0))

@@ -29,7 +29,7 @@ from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_batch
 from erpo_jax.rl.kl import kl_penalized_rewards
 from erpo_jax.rl.query_kl import query_kl
-from erpo_jax.rollout.sampler import Sampler, SamplingConfig, bucket_length, rollout_key
+from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, save_config, validate
@@ -155,14 +155,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
+    def _prompts_at(self, step: int) -> list:
+        """Token ids of step `step`'s training prompts (the iterator is not moved)."""
+        return [self.task.train_prompts[i] for i in self.iterator.batch_at(step)]
+
     def update_arguments(self, step: int):
         """Abstract (state, mini-batch, critic batch) of step `step`'s update
         calls: the rollout's width is the length bucket of that step's longest
         prompt plus max_new_tokens (what `_rl_batch` and `_update` produce)."""
-        sc, o, G = self.sampler.sampling, self.cfg.optim, self.G
-        prompts = [self.task.train_prompts[i] for i in self.iterator.batch_at(step)]
-        T = bucket_length(max(len(p) for p in prompts), sc.min_bucket,
-                          sc.max_prompt_len) + sc.max_new_tokens
+        o, G = self.cfg.optim, self.G
+        prompts = self._prompts_at(step)
+        T = (self.sampler.batch_shape(len(prompts), max(len(p) for p in prompts))[1]
+             + self.sampler.sampling.max_new_tokens)
         rows = self.B // o.num_minibatches * G
 
         def arg(dtype, *shape):  # as _put places a [rows, *shape] array
@@ -208,7 +212,7 @@ class Trainer:
     def _ahead_jobs(self, step: int) -> list:
         """(name, compile function) for step `step`, in the order the step runs them."""
         state, batch, critic = self.update_arguments(step)
-        prompts = [self.task.train_prompts[i] for i in self.iterator.batch_at(step)]
+        prompts = self._prompts_at(step)
         chunk = self.cfg.rollout.max_prompts_per_call or len(prompts)
         jobs = [("rollout", lambda c=c: self.sampler.compile(
             state.params, len(c), max(len(p) for p in c)))
