@@ -43,9 +43,10 @@ class ModelConfig:
       compute_dtype: dtype of matmuls and activations; logits, log-softmax and
         attention softmax are always float32.
       remat: rematerialise each layer in the backward pass.
-
-    Layers are always stacked on a leading axis and scanned, so compile time
-    does not grow with depth.
+      scan_layers: run the cacheless pass (training, scoring) as one scan over
+        the layers (compile time independent of depth) or unrolled (faster for
+        shallow models: no stacked activation buffers); None = scan above
+        8 layers. Parameters are stacked on a leading [L] axis either way.
     """
 
     vocab_size: int = 256
@@ -66,6 +67,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool | None = None
 
     def __post_init__(self):
         self.validate()
@@ -98,6 +100,11 @@ class ModelConfig:
             raise ValueError(
                 f"RoPE scaling {self.rope_scaling.kind!r} is not supported; "
                 "supported: 'default', 'linear', 'llama3'.")
+
+    @property
+    def scans_layers(self) -> bool:
+        """Whether the cacheless pass scans the layers (see `scan_layers`)."""
+        return self.num_layers > 8 if self.scan_layers is None else bool(self.scan_layers)
 
     @property
     def jnp_param_dtype(self):

@@ -39,6 +39,7 @@ class ModelSection:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool | None = None
     logprob_chunk: int = 512
 
 

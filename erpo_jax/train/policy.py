@@ -26,7 +26,8 @@ def build_sharding(cfg: RunConfig) -> Sharding:
 def load_policy(cfg: RunConfig, sharding: Sharding | None):
     """(ModelConfig, params, Tokenizer) for `cfg.model`, parameters in their sharding."""
     m = cfg.model
-    numerics = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+    numerics = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
+                    scan_layers=m.scan_layers)
     if m.init in ("sft", "hf"):
         model_cfg, params = load_hf(m.path, sharding=sharding, **numerics)
         tokenizer = load_tokenizer(m.path)
