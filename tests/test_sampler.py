@@ -213,8 +213,10 @@ def dist_logits(sharp_params):
                                       jnp.ones((1, 5), bool))[0, -1], np.float64)
 
 
-def test_sampled_frequencies_match_tempered_softmax(sharp_params, dist_logits):
-    sc = SamplingConfig(max_new_tokens=1, num_samples=4096, temperature=0.8, max_prompt_len=8)
+@pytest.mark.parametrize("method", ["inverse_cdf", "gumbel"])
+def test_sampled_frequencies_match_tempered_softmax(sharp_params, dist_logits, method):
+    sc = SamplingConfig(max_new_tokens=1, num_samples=4096, temperature=0.8, max_prompt_len=8,
+                        method=method)
     out = Sampler(CFG, sc)(sharp_params, [DIST_PROMPT], SEED)
     counts = np.bincount(out.response_tokens[:, 0], minlength=CFG.vocab_size)
     assert (_softmax(dist_logits / 0.8) > 0.01).sum() >= 5   # a spread, not a near-argmax
@@ -224,6 +226,40 @@ def test_sampled_frequencies_match_tempered_softmax(sharp_params, dist_logits):
         assert _chi2_pvalue(counts, _softmax(dist_logits / wrong)) < 1e-8
     # Without EOS ids every row runs to max_new_tokens and is truncated.
     assert out.truncated.all() and (out.lengths == 1).all() and int(out.num_steps) == 1
+
+
+def test_inverse_cdf_boundaries_and_zero_probability_tokens():
+    """u is located exactly in the cumulative probabilities; a token of
+    probability zero (truncated, -inf) is never drawn, even at u -> 1 where
+    float rounding could reach the end of the vocabulary."""
+    from erpo_jax.rollout.sampler import inverse_cdf_sample
+    probs = np.zeros(300)
+    probs[[3, 17, 150, 299 - 40]] = [0.25, 0.25, 0.25, 0.25]   # trailing zeros, several blocks
+    with np.errstate(divide="ignore"):
+        z = jnp.asarray(np.log(probs), jnp.float32)[None].repeat(6, 0)
+    u = jnp.asarray([0.0, 0.2499, 0.2501, 0.6, 0.9999, 1 - 2.0 ** -24], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(inverse_cdf_sample(z, u)), [3, 3, 17, 150, 259, 259])
+    # Random logits with random -inf holes: every draw has positive probability,
+    # and a dense grid of u reproduces the probabilities.
+    rng = np.random.RandomState(0)
+    logits = rng.normal(size=(4, 1000)) * 3
+    logits[rng.rand(4, 1000) < 0.7] = -np.inf
+    logits[:, 0] = 0.0
+    grid = (np.arange(20000) + 0.5) / 20000
+    zz = jnp.asarray(np.repeat(logits, len(grid), 0), jnp.float32)
+    uu = jnp.asarray(np.tile(grid, 4), jnp.float32)
+    tok = np.asarray(inverse_cdf_sample(zz, uu)).reshape(4, -1)
+    for r in range(4):
+        p = np.exp(logits[r] - logits[r].max())
+        p /= p.sum()
+        assert np.all(p[tok[r]] > 0)
+        freq = np.bincount(tok[r], minlength=1000) / len(grid)
+        assert np.abs(freq - p).max() <= 2 / len(grid) + 1e-5
+
+
+def test_unknown_sampling_method_is_named():
+    with pytest.raises(ValueError, match="method"):
+        SamplingConfig(method="multinomial")
 
 
 def test_topk_frequencies_match_renormalised_topk(sharp_params, dist_logits):

@@ -22,8 +22,10 @@ so the PPO/GRPO ratio is exactly 1 at the first update on fresh samples. With
 `greedy=True` the token is the argmax and its logp is still under
 softmax(logits / temperature).
 
-Randomness. The key of row r at decode step t is fold_in(fold_in(rng, r), t),
-so a row's samples depend only on (rng, global row index, step): sampling G
+Randomness. Row r's key is fold_in(rng, r). With method 'inverse_cdf' it
+draws the row's N uniforms at once, before the decode loop (uniform t decides
+token t); with 'gumbel' step t uses the key fold_in(fold_in(rng, r), t). So a
+row's samples depend only on (rng, global row index, step): sampling G
 per prompt equals sampling each prompt repeated G times, and the result does
 not depend on the mesh. For RL step s pass `rollout_key(seed_key, s)`.
 
@@ -66,6 +68,13 @@ class SamplingConfig:
       top_p: nucleus mass in (0, 1]; 1 = off.
       top_k: keep the k most likely tokens; 0 = off.
       greedy: take the argmax (top_p / top_k / rng are then irrelevant).
+      method: how a token is drawn from the (truncated) distribution:
+        'inverse_cdf' (one uniform per row, located in the cumulative
+        probabilities, blockwise; 2.5x to 35x faster than 'gumbel' on the CPU
+        at vocabularies 256 to 152k) or 'gumbel' (argmax of logits plus
+        Gumbel noise, one random number per vocabulary entry). Both draw
+        exactly from softmax(truncated z); for a given key they give different
+        tokens.
       eos_ids: a row is done after emitting any of these (the EOS is kept in
         the response and in its mask).
       min_new_tokens: EOS ids are masked out of the first this-many tokens.
@@ -80,6 +89,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+    method: str = "inverse_cdf"
     eos_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0
     pad_id: int = 0
@@ -102,6 +112,9 @@ class SamplingConfig:
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"SamplingConfig.min_new_tokens ({self.min_new_tokens}) must be in "
                              f"[0, max_new_tokens={self.max_new_tokens}].")
+        if self.method not in ("inverse_cdf", "gumbel"):
+            raise ValueError(f"SamplingConfig.method is {self.method!r}; use 'inverse_cdf' or "
+                             "'gumbel'.")
         if self.max_prompt_len < 1 or self.min_bucket < 1:
             raise ValueError("SamplingConfig.max_prompt_len and min_bucket must be >= 1, got "
                              f"{self.max_prompt_len} and {self.min_bucket}.")
@@ -155,7 +168,9 @@ class SamplerState:
     tokens: int32[R, N] response so far; logps: float32[R, N];
     cache: KVCache over R rows and S slots; positions: int32[R] RoPE position
     of the next sampled token; done: bool[R]; lengths: int32[R];
-    step: int32[] tokens sampled so far; rng: key[R], one key per row.
+    step: int32[] tokens sampled so far; rng: key[R], one key per row;
+    uniforms: float32[R, N], row r's uniform for each step (method
+    'inverse_cdf'; [R, 0] otherwise).
     """
 
     tokens: jax.Array
@@ -166,6 +181,7 @@ class SamplerState:
     lengths: jax.Array
     step: jax.Array
     rng: jax.Array
+    uniforms: jax.Array
 
 
 def rollout_key(seed_key: jax.Array, rl_step: int | jax.Array) -> jax.Array:
@@ -196,8 +212,39 @@ def truncate_logits(z: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return z
 
 
-def _choose(logits: jax.Array, keys: jax.Array, step: jax.Array, sc: SamplingConfig):
-    """Sampled tokens int32[R] and their logp float32[R] from logits float32[R, V]."""
+def inverse_cdf_sample(z: jax.Array, u: jax.Array) -> jax.Array:
+    """int32[R] draws from softmax(z) given uniforms u float32[R] in [0, 1).
+
+    z: float32[R, V], -inf on excluded tokens. Token t is drawn when u * total
+    falls in [cdf[t-1], cdf[t]) of the unnormalised cumulative probabilities.
+    The cumulative sum runs in two levels (blocks of about sqrt(V) tokens,
+    then within the chosen block), which on the CPU costs a few reductions
+    over [R, V] instead of a full-length scan. A token of probability zero is
+    never drawn, whatever the float rounding: the target stays below the
+    total, and within the chosen block the draw is capped at its last token of
+    positive probability.
+    """
+    R, V = z.shape
+    b = int(min(256, max(8, 1 << round(np.log2(np.sqrt(V))))))
+    nb = -(-V // b)
+    p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))               # the argmax has p = 1
+    p = jnp.pad(p, ((0, 0), (0, nb * b - V))).reshape(R, nb, b)
+    block_mass = jnp.sum(p, axis=-1)                                  # [R, nb]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    total = block_cdf[:, -1]
+    target = jnp.minimum(u * total, jnp.nextafter(total, 0.0))         # [R], < total
+    blk = jnp.sum(block_cdf[:, :-1] <= target[:, None], axis=-1)      # first block past target
+    row = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]    # [R, b]
+    before = jnp.take_along_axis(block_cdf - block_mass, blk[:, None], axis=1)[:, 0]
+    within = jnp.sum(jnp.cumsum(row, axis=-1)[:, :-1] <= (target - before)[:, None], axis=-1)
+    last = jnp.max(jnp.where(row > 0, jnp.arange(b), 0), axis=-1)
+    return (blk * b + jnp.minimum(within, last)).astype(jnp.int32)
+
+
+def _choose(logits: jax.Array, keys: jax.Array, uniforms: jax.Array, step: jax.Array,
+            sc: SamplingConfig):
+    """Sampled tokens int32[R] and their logp float32[R] from logits float32[R, V]
+    (keys: key[R] per row; uniforms: float32[R, N] per row and step)."""
     z = logits.astype(jnp.float32) / sc.temperature
     logprobs = jax.nn.log_softmax(z, axis=-1)
     if sc.eos_ids and sc.min_new_tokens:
@@ -207,15 +254,19 @@ def _choose(logits: jax.Array, keys: jax.Array, step: jax.Array, sc: SamplingCon
         tok = jnp.argmax(z, axis=-1)
     else:
         z = truncate_logits(z, sc.top_k, sc.top_p)
-        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
-        tok = jax.vmap(jax.random.categorical)(step_keys, z)
+        if sc.method == "gumbel":
+            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+            tok = jax.vmap(jax.random.categorical)(step_keys, z)
+        else:
+            u = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
+            tok = inverse_cdf_sample(z, u)
     tok = tok.astype(jnp.int32)
     return tok, jnp.take_along_axis(logprobs, tok[:, None], axis=-1)[:, 0]
 
 
 def _record(state: SamplerState, logits: jax.Array, sc: SamplingConfig) -> SamplerState:
     """Sample token `state.step` for every row not yet done, and advance."""
-    tok, logp = _choose(logits, state.rng, state.step, sc)
+    tok, logp = _choose(logits, state.rng, state.uniforms, state.step, sc)
     live = ~state.done
     tok = jnp.where(live, tok, sc.pad_id)
     logp = jnp.where(live, logp, 0.0)
@@ -266,11 +317,16 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
 
     # Share the prefill: row b * G + g continues prompt b.
     rep = lambda x, axis: jnp.repeat(x, G, axis=axis) if G > 1 else x
-    cache = cache.map_kv(lambda a: constrain(rep(a, 0), model_lib.CACHE_AXES))
+    cache = cache.map_kv(lambda a, axes: constrain(rep(a, 0), axes))
     cache = cache._replace(valid=constrain(rep(cache.valid, 0), ("batch", "cache_length")))
     logits = constrain(rep(logits, 0), ("batch", None))
     row_mask = rep(prompt_mask, 0)
     rows = constrain(jnp.arange(R, dtype=jnp.int32), ("batch",))
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, rows)
+    if sc.method == "inverse_cdf" and not sc.greedy:   # all of a row's draws in one go
+        uniforms = jax.vmap(lambda k: jax.random.uniform(k, (N,)))(row_keys)
+    else:
+        uniforms = jnp.zeros((R, 0), jnp.float32)
 
     state = SamplerState(
         tokens=constrain(jnp.full((R, N), sc.pad_id, jnp.int32), ("batch", None)),
@@ -280,7 +336,8 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
         done=jnp.zeros((R,), bool),
         lengths=jnp.zeros((R,), jnp.int32),
         step=jnp.zeros((), jnp.int32),
-        rng=jax.vmap(jax.random.fold_in, (None, 0))(rng, rows),
+        rng=row_keys,
+        uniforms=constrain(uniforms, ("batch", None)),
     )
     state = _record(state, logits, sc)
 
