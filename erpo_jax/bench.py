@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from erpo_jax import xla_options
 from erpo_jax.model.config import PRESETS, ModelConfig
 from erpo_jax.rl.loss import LossConfig
 
@@ -243,8 +244,8 @@ def train_mfu(preset: str, rows: int, T: int, peak_flops: float, repeats: int = 
     def lp_sum(p):
         return jnp.sum(token_logprobs(p, cfg, batch.tokens, batch.attn_mask,
                                       chunk_size=chunk).logp)
-    fwd = jax.jit(lp_sum)
-    fwd_bwd = jax.jit(jax.value_and_grad(lp_sum))
+    fwd = jax.jit(lp_sum, compiler_options=xla_options.for_steps())
+    fwd_bwd = jax.jit(jax.value_and_grad(lp_sum), compiler_options=xla_options.for_steps())
     times = {"forward": [], "forward_backward": [], "update": []} if breakdown else {"update": []}
     for i in range(repeats + 1):
         for name in times:

@@ -37,6 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from erpo_jax import xla_options
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.dense import dense
 from erpo_jax.model.sharding import Sharding
@@ -450,6 +451,10 @@ def param_shardings(cfg: ModelConfig, sharding: Sharding) -> Any:
 def init_params(cfg: ModelConfig, rng, sharding: Sharding | None = None) -> Any:
     """Random parameters, created directly in their sharding (abstract-first)."""
     init = lambda r: nn.unbox(_boxed_init(cfg, r))
+    # Inside a trace (e.g. jax.eval_shape of a planning function) this jit is
+    # nested, and a nested jit takes no compiler options.
+    options = None if isinstance(rng, jax.core.Tracer) else xla_options.for_once()
     if sharding is None:
-        return jax.jit(init)(rng)
-    return jax.jit(init, out_shardings=param_shardings(cfg, sharding))(rng)
+        return jax.jit(init, compiler_options=options)(rng)
+    return jax.jit(init, out_shardings=param_shardings(cfg, sharding),
+                   compiler_options=options)(rng)

@@ -15,6 +15,7 @@ differs recomputes it: a stale cache is never read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from erpo_jax import xla_options
 from erpo_jax.distributed import broadcast_from_primary, to_host
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
@@ -146,7 +148,7 @@ def compute_reference(params, cfg: ModelConfig, queries: Sequence[Sequence[int]]
     offsets[1:] = np.cumsum(np.maximum(lengths - 1, 0))
     flat = np.zeros(offsets[-1], np.float32)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=xla_options.for_steps())
     def run(p, tokens, mask):
         return token_logprobs(p, cfg, tokens, mask, temperature=1.0, chunk_size=chunk_size,
                               sharding=sharding).logp_t1

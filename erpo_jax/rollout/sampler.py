@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from erpo_jax import xla_options
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding
@@ -390,9 +391,11 @@ def make_sample_fn(cfg: ModelConfig, sc: SamplingConfig, sharding: Sharding | No
         return sample_rollout(params, prompt_tokens, prompt_mask, rng, cfg=cfg, sc=sc,
                               sharding=sharding)
 
+    options = xla_options.for_steps()
     if sharding is None:
-        return jax.jit(rollout_fn)
-    return jax.jit(rollout_fn, out_shardings=rollout_shardings(sharding))
+        return jax.jit(rollout_fn, compiler_options=options)
+    return jax.jit(rollout_fn, out_shardings=rollout_shardings(sharding),
+                   compiler_options=options)
 
 
 # ----------------------------------------------------------------------------- host side

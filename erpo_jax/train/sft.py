@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from erpo_jax import xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.hf import export_hf
 from erpo_jax.model.logprobs import token_logprobs
@@ -101,7 +102,8 @@ def run_sft(cfg: RunConfig) -> dict:
             new = jax.lax.with_sharding_constraint(new, shardings)
             return new, {"loss": loss, "grad_norm": gnorm}
 
-        update = jax.jit(update.__wrapped__, donate_argnums=(0,))
+        update = jax.jit(update.__wrapped__, donate_argnums=(0,),
+                         compiler_options=xla_options.for_steps())
         ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, t.ckpt_every)
         iterator = QueryBatchIterator(len(seqs), t.batch_size, t.seed)
         start = 0

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from erpo_jax import xla_options
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding
@@ -80,10 +81,12 @@ def init_state(params, tx, critic_params=None, critic_tx=None,
             else jax.device_put(np.asarray(x), where), tree)
 
     critic_params = on_mesh(critic_params)
+    once = xla_options.for_once()
     state = TrainState(
-        step=zero(), params=params, opt_state=on_mesh(jax.jit(tx.init)(params)),
+        step=zero(), params=params, opt_state=on_mesh(jax.jit(tx.init, compiler_options=once)(params)),
         critic=critic_params,
-        critic_opt=None if critic_params is None else on_mesh(jax.jit(critic_tx.init)(
+        critic_opt=None if critic_params is None else on_mesh(jax.jit(
+            critic_tx.init, compiler_options=once)(
             critic_params)),
         nonfinite=zero(), skipped=zero())
     # Commit every leaf to its sharding now, so the first update compiles once
@@ -213,7 +216,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
             new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
         return new_state, out_metrics
 
-    return jax.jit(update, donate_argnums=(0,))
+    return jax.jit(update, donate_argnums=(0,), compiler_options=xla_options.for_steps())
 
 
 def shardings_of(tree):
@@ -230,4 +233,4 @@ def make_logprob_fn(model_cfg: ModelConfig, temperature: float, chunk_size: int 
         return token_logprobs(params, model_cfg, tokens, mask, temperature=temperature,
                               chunk_size=chunk_size, sharding=sharding).logp
 
-    return jax.jit(logprob_fn)
+    return jax.jit(logprob_fn, compiler_options=xla_options.for_steps())
