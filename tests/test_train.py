@@ -197,8 +197,9 @@ def _on_duration(event, duration, **kwargs):
         _COMPILE_EVENTS.append((kwargs["fun_name"], event))
 
 
-# What the Trainer compiles ahead: the update, the rollout, the reference forward.
-_AHEAD = ("jit(update)", "jit(rollout_fn)", "jit(logprob_fn)")
+# What the Trainer compiles ahead: the update, the rollout, the reference
+# forward, the reward shaping + advantages.
+_AHEAD = ("jit(update)", "jit(rollout_fn)", "jit(logprob_fn)", "jit(advantages_fn)")
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -210,6 +211,7 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
     # reference forward's shape is compiled here first.
     ("loss.beta_policy=0.04", "optim.num_minibatches=2", "rollout.max_new_tokens=12"),
     ("algo.advantage=gae",),                                       # per-token advantages + critic
+    ("loss.beta_policy=0.04", "loss.policy_kl_mode=reward"),       # KL-shaped rewards
 ])
 def test_compile_ahead_covers_the_first_step(sft_model, tmp_path, extra):
     """The rollout, reference forward and update compiled in the background for
@@ -238,6 +240,6 @@ def test_compile_ahead_covers_the_first_step(sft_model, tmp_path, extra):
         lowered = {f for f, e in _COMPILE_EVENTS if e.endswith("jaxpr_to_mlir_module_duration")}
         # (jit shares executables between equal closures, so the reference
         # forward compiled by the first Trainer is not lowered again here.)
-        assert {"jit(update)", "jit(rollout_fn)"} <= lowered
+        assert {"jit(update)", "jit(rollout_fn)", "jit(advantages_fn)"} <= lowered
     finally:
         t.close()

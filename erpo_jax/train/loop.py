@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from erpo_jax import xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import advantages as adv_lib
@@ -111,6 +112,8 @@ class Trainer:
                                                     cfg.model.logprob_chunk, self.sharding)
         self.t1_logp_fn = step_lib.make_logprob_fn(self.model_cfg, 1.0, cfg.model.logprob_chunk,
                                                    self.sharding)
+        self._shapes_rewards = lc.beta_policy > 0 and lc.policy_kl_mode == "reward"
+        self.advantages_fn = self._make_advantages_fn()
         self.iterator = QueryBatchIterator(len(self.task.train), self.B, t.seed)
         self.ckpt = ckpt_lib.Checkpointer(self.run_dir / "checkpoints", t.keep_checkpoints,
                                           t.ckpt_every)
@@ -135,14 +138,21 @@ class Trainer:
                                               a.weight_max)
         drift = [p for group in zip(*self.task.eval_sets.values()) for p in group]
         self.drift_prompts = self.task.prompts(drift[:t.drift_queries])
-        self.drift_cache, _ = ref_lib.load_or_compute(params, self.model_cfg, self.drift_prompts,
-                                                      cache_dir, **common)
+        self.drift_cache = None   # the held-out queries' reference pass, only if drift is logged
+        if t.drift_every > 0:
+            self.drift_cache, _ = ref_lib.load_or_compute(params, self.model_cfg,
+                                                          self.drift_prompts, cache_dir, **common)
         # The reference weights stay in memory only if a per-step term needs them.
         need_ref = lc.needs_ref_logp or t.policy_kl_metric
-        self.ref_params = jax.tree_util.tree_map(jnp.copy, params) if need_ref else None
+        # Distinct buffers (the policy's are donated to the update): one jitted
+        # copy of the tree, not an eager op per leaf shape that would each compile.
+        self.ref_params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p),
+                                  compiler_options=xla_options.for_once())(params) \
+            if need_ref else None
 
         if critic is not None:
-            self.values_fn = jax.jit(lambda c, tok, m: critic_lib.values(c, self.model_cfg, tok, m))
+            self.values_fn = jax.jit(lambda c, tok, m: critic_lib.values(c, self.model_cfg, tok, m),
+                                     compiler_options=xla_options.for_steps())
         self.evaluator = Evaluator(self.model_cfg, self.task, cfg, self.sharding)
         self.seed_key = jax.random.key(t.seed)
         self.writer = MetricsWriter(self.run_dir, self.primary)
@@ -187,6 +197,28 @@ class Trainer:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
         return state, batch, critic
 
+    def _make_advantages_fn(self):
+        """Jitted (rewards float32[R], old_logp, ref_logp, response_mask) ->
+        (shaped rewards float32[R], outcome advantages float32[R] or None for
+        GAE): the Policy-KL reward shaping (policy_kl_mode 'reward'; the three
+        token arrays are None otherwise) and the outcome estimator, as one
+        program that compiles ahead rather than as a dozen eager ops that
+        would each compile in the first step."""
+        lc, a, B, G = self.cfg.loss, self.cfg.algo, self.B, self.G
+        kw = {"eps": a.adv_eps} if a.advantage in ("grpo", "reinforce_pp") else {}
+
+        def advantages_fn(rewards, old_logp, ref_logp, response_mask):
+            shaped = rewards
+            if old_logp is not None:
+                shaped = kl_penalized_rewards(rewards, old_logp, ref_logp, response_mask,
+                                              lc.beta_policy, lc.policy_kl_estimator, lc.kl_clamp)
+            if adv_lib.needs_critic(a.advantage):
+                return shaped, None
+            return shaped, adv_lib.compute_advantages(a.advantage, shaped.reshape(B, G),
+                                                      **kw).reshape(-1)
+
+        return jax.jit(advantages_fn, compiler_options=xla_options.for_steps())
+
     def _compile_ahead(self, step: int) -> None:
         """Compile step `step`'s rollout, reference forward (with Policy-KL)
         and update for its shapes, in the order the step needs them (runs in
@@ -221,6 +253,12 @@ class Trainer:
             rows = lambda a: a.update(shape=(self.B * self.G, a.shape[1]))
             jobs.append(("reference forward", lambda: self.ref_logp_fn.lower(
                 state.params, rows(batch.tokens), rows(batch.attn_mask)).compile()))
+        R, Tm1 = self.B * self.G, batch.old_logp.shape[1]
+        token = (lambda dtype: jax.ShapeDtypeStruct((R, Tm1), dtype)) if self._shapes_rewards \
+            else (lambda dtype: None)
+        jobs.append(("advantages", lambda: self.advantages_fn.lower(
+            jax.ShapeDtypeStruct((R,), jnp.float32), token(jnp.float32), token(jnp.float32),
+            token(jnp.bool_)).compile()))
         jobs.append(("update", lambda: self.update.lower(state, batch, critic).compile()))
         return jobs
 
@@ -263,11 +301,11 @@ class Trainer:
                 _put(batch.attn_mask, self.sharding)))
             self.ref_forward_calls += 1
         times["time/ref"] = time.perf_counter() - t0
-        shaped = jnp.asarray(rewards)
-        if lc.beta_policy > 0 and lc.policy_kl_mode == "reward":
-            shaped = kl_penalized_rewards(shaped, jnp.asarray(batch.old_logp), jnp.asarray(ref_logp),
-                                          jnp.asarray(batch.response_mask), lc.beta_policy,
-                                          lc.policy_kl_estimator, lc.kl_clamp)
+        if self._shapes_rewards:
+            shaped, adv = self.advantages_fn(rewards.astype(np.float32), batch.old_logp, ref_logp,
+                                             batch.response_mask)
+        else:
+            shaped, adv = self.advantages_fn(rewards.astype(np.float32), None, None, None)
         critic_batch = None
         if adv_lib.needs_critic(a.advantage):
             vals = to_host(self.values_fn(
@@ -277,10 +315,6 @@ class Trainer:
                                        gamma=a.gamma, lam=a.lam, whiten=True)
             critic_batch = step_lib.CriticBatch(np.asarray(vals, np.float32),
                                                 np.asarray(returns, np.float32))
-        else:
-            kw = {"eps": a.adv_eps} if a.advantage in ("grpo", "reinforce_pp") else {}
-            adv = adv_lib.compute_advantages(a.advantage, shaped.reshape(self.B, G), **kw)
-            adv = np.asarray(adv).reshape(-1)
         batch = batch._replace(advantages=np.asarray(adv, np.float32), ref_logp=ref_logp)
         validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss)
         r = rewards.reshape(self.B, G)
@@ -320,6 +354,9 @@ class Trainer:
 
     def drift(self) -> dict:
         """Query drift: QKL (k3, k1) of the current policy on the held-out query set."""
+        if self.drift_cache is None:
+            raise RuntimeError("Trainer.drift needs the held-out queries' reference pass, made "
+                               "at construction only when train.drift_every > 0.")
         prompts = self.drift_prompts
         width = ref_lib._bucket(max(len(p) for p in prompts))
         n = len(prompts)
