@@ -46,7 +46,9 @@ class ModelConfig:
       scan_layers: run the cacheless pass (training, scoring) as one scan over
         the layers (compile time independent of depth) or unrolled (faster for
         shallow models: no stacked activation buffers); None = scan above
-        8 layers. Parameters are stacked on a leading [L] axis either way.
+        4 layers. Parameters are stacked on a leading [L] axis either way.
+        Unrolled 6-layer medium-25m scored 256 x 384 tokens 17% slower, with
+        1.8x the peak memory, than scanned.
     """
 
     vocab_size: int = 256
@@ -104,7 +106,7 @@ class ModelConfig:
     @property
     def scans_layers(self) -> bool:
         """Whether the cacheless pass scans the layers (see `scan_layers`)."""
-        return self.num_layers > 8 if self.scan_layers is None else bool(self.scan_layers)
+        return self.num_layers > 4 if self.scan_layers is None else bool(self.scan_layers)
 
     @property
     def jnp_param_dtype(self):
