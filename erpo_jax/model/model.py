@@ -20,10 +20,11 @@ above 4 layers). Unrolled is faster where the model is small and shallow: the
 scan stacks each layer's saved activations into [L, ...] buffers for the
 backward pass (measured on the CPU: 19% of a 2-layer 0.1M model's gradient).
 At 6 layers and 25M parameters it no longer pays: the unrolled forward over
-256 x 384 tokens was 17% slower and peaked at 1.8x the memory. The cached path (sampling) is always unrolled, on per-layer
-caches: each layer's cache is its own buffer, updated in place by the decode
-loop, and with `unstack_layers(params)` hoisted out of that loop each layer's
-weights are separate buffers too. Slicing layer l out of a stacked array
+256 x 384 tokens was 17% slower and peaked at 1.8x the memory. The cached
+path (sampling) is always unrolled, on per-layer caches: each layer's cache
+is its own buffer, updated in place by the decode loop, and with
+`unstack_layers(params)` hoisted out of that loop each layer's weights are
+separate buffers too. Slicing layer l out of a stacked array
 inside a decode loop costs a copy of those weights per step on the CPU
 backend (measured: a quarter of a 25M model's decode step). Every path
 applies the same `Block` module to the same parameters.
@@ -190,7 +191,8 @@ class Attention(nn.Module):
 
         B, T = q.shape[:2]
         qg = q.reshape(B, T, N, H // N, K)
-        if T == 1 and layer_cache is not None and jax.default_backend() == "cpu":
+        cpu_cache = layer_cache is not None and jax.default_backend() == "cpu"
+        if T == 1 and cpu_cache:
             # One-token decode on the CPU, in float32: the scores reduce over K
             # with the slot-minor keys' S slots as vector lanes. Measured:
             # [G, K] x [K, S] products on slot-major keys decoded 4x slower
@@ -205,7 +207,7 @@ class Attention(nn.Module):
             return dense(out, wo.astype(dt), 2), new_cache
         # XLA's CPU dot has no bfloat16 x bfloat16 -> float32 product against
         # the slot-minor keys: there the scores take float32 operands.
-        sdt = jnp.float32 if layer_cache is not None and jax.default_backend() == "cpu" else dt
+        sdt = jnp.float32 if cpu_cache else dt
         scores = jnp.einsum(f"btngk,{ks}->bngts", qg.astype(sdt), k.astype(sdt),
                             preferred_element_type=jnp.float32) * (K ** -0.5)
         probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1).astype(dt)

@@ -254,11 +254,11 @@ class Trainer:
             jobs.append(("reference forward", lambda: self.ref_logp_fn.lower(
                 state.params, rows(batch.tokens), rows(batch.attn_mask)).compile()))
         R, Tm1 = self.B * self.G, batch.old_logp.shape[1]
-        token = (lambda dtype: jax.ShapeDtypeStruct((R, Tm1), dtype)) if self._shapes_rewards \
-            else (lambda dtype: None)
+        logp = jax.ShapeDtypeStruct((R, Tm1), jnp.float32)
+        token = ((logp, logp, jax.ShapeDtypeStruct((R, Tm1), jnp.bool_)) if self._shapes_rewards
+                 else (None, None, None))
         jobs.append(("advantages", lambda: self.advantages_fn.lower(
-            jax.ShapeDtypeStruct((R,), jnp.float32), token(jnp.float32), token(jnp.float32),
-            token(jnp.bool_)).compile()))
+            jax.ShapeDtypeStruct((R,), jnp.float32), *token).compile()))
         jobs.append(("update", lambda: self.update.lower(state, batch, critic).compile()))
         return jobs
 
@@ -301,11 +301,9 @@ class Trainer:
                 _put(batch.attn_mask, self.sharding)))
             self.ref_forward_calls += 1
         times["time/ref"] = time.perf_counter() - t0
-        if self._shapes_rewards:
-            shaped, adv = self.advantages_fn(rewards.astype(np.float32), batch.old_logp, ref_logp,
-                                             batch.response_mask)
-        else:
-            shaped, adv = self.advantages_fn(rewards.astype(np.float32), None, None, None)
+        token = ((batch.old_logp, ref_logp, batch.response_mask) if self._shapes_rewards
+                 else (None, None, None))
+        shaped, adv = self.advantages_fn(rewards.astype(np.float32), *token)
         critic_batch = None
         if adv_lib.needs_critic(a.advantage):
             vals = to_host(self.values_fn(

@@ -82,12 +82,11 @@ def init_state(params, tx, critic_params=None, critic_tx=None,
 
     critic_params = on_mesh(critic_params)
     once = xla_options.for_once()
+    init_opt = lambda tx, p: on_mesh(jax.jit(tx.init, compiler_options=once)(p))
     state = TrainState(
-        step=zero(), params=params, opt_state=on_mesh(jax.jit(tx.init, compiler_options=once)(params)),
+        step=zero(), params=params, opt_state=init_opt(tx, params),
         critic=critic_params,
-        critic_opt=None if critic_params is None else on_mesh(jax.jit(
-            critic_tx.init, compiler_options=once)(
-            critic_params)),
+        critic_opt=None if critic_params is None else init_opt(critic_tx, critic_params),
         nonfinite=zero(), skipped=zero())
     # Commit every leaf to its sharding now, so the first update compiles once
     # (its outputs carry these shardings; uncommitted inputs would retrace).
