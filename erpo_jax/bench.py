@@ -69,6 +69,7 @@ MODES = {
                  reg_repeats=7, mfu_preset="medium-25m", mfu_shape=(8, 256), mfu_repeats=3,
                  sampler=dict(presets=("tiny", "medium-25m"), batches=(1, 32, 128),
                               new_tokens=32, repeats=2),
+                 rl_cached=True,
                  rl=[dict(name="tiny", preset="tiny", prompts=8, group=4, prompt_len=32,
                           new_tokens=32, iters=12),
                      dict(name="medium", preset="medium-25m", prompts=64, group=8,
@@ -290,14 +291,17 @@ def _padded_task_loader(width: int):
 
 def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: int,
                  new_tokens: int, iters: int, micro_batches: int = 1,
-                 beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1)) -> dict:
+                 beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
+                 compile_cache: str = "off") -> dict:
     """Time `iters` RL steps through the Trainer's own `_rl_batch` + `_update`
     (rollout, arithmetic exact-match reward, GRPO advantages, the reference
     forward for Policy-KL, the update). Iteration 0 includes compilation;
     setup_s is the Trainer's construction (policy, task, reference pass), during
     which the update already compiles in the background (train.compile_ahead),
     so setup_s + first_iter_s is the time to the first finished step.
-    mesh: (data, fsdp, tensor), the Trainer's default (all devices on data)."""
+    mesh: (data, fsdp, tensor), the Trainer's default (all devices on data).
+    compile_cache: train.compile_cache; 'off' (the default) measures cold
+    compiles whatever the user's cache holds (see `first_iteration_cached`)."""
     from erpo_jax.train import loop as loop_lib
     from erpo_jax.train.config import (DataSection, MeshSection, ModelSection, OptimSection,
                                        RolloutSection, RunConfig, TrainSection)
@@ -311,21 +315,21 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
             train=TrainSection(steps=iters, batch_size=prompts, out_dir=f"{tmp}/run",
                                eval_every=0, drift_every=0, drift_queries=4,
                                eval_max_problems=4, progress=False,
-                               ref_cache_dir=f"{tmp}/ref"))
+                               ref_cache_dir=f"{tmp}/ref", compile_cache=compile_cache))
         t0 = time.perf_counter()
         with mock.patch.object(loop_lib, "load_task", _padded_task_loader(prompt_len)):
             trainer = loop_lib.Trainer(cfg)
         setup = time.perf_counter() - t0
         try:
-            times, parts = [], []
+            times, parts, losses = [], [], []
             for step in range(iters):
                 t0 = time.perf_counter()
                 batch, cb, info, part, ro = trainer._rl_batch(step)
                 t1 = time.perf_counter()
-                trainer._update(batch, cb, step)
+                losses.append(trainer._update(batch, cb, step)["loss"])
                 times.append(time.perf_counter() - t0)
                 parts.append({**part, "time/update": time.perf_counter() - t1})
-            ref_calls = trainer.ref_forward_calls
+            ref_calls, cache_dir = trainer.ref_forward_calls, trainer.compile_cache
         finally:
             trainer.close()
     steady = times[1:] or times
@@ -335,7 +339,53 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
             "micro_batches": micro_batches, "iters": iters, "setup_s": setup,
             "first_iter_s": times[0], "steady_iter_s": statistics.median(steady),
             "steady_breakdown_s": breakdown, "first_breakdown_s": parts[0], "ref_forward_calls": ref_calls,
-            "path": "Trainer._rl_batch + Trainer._update", "peak_rss_mib": peak_rss_mib()}
+            "path": "Trainer._rl_batch + Trainer._update", "peak_rss_mib": peak_rss_mib(),
+            "losses": losses, "compile_cache": cache_dir}
+
+
+_CHILD = """
+import json, sys
+from jax._src import monitoring
+from erpo_jax import bench
+counts = {"cache_hits": 0, "cache_misses": 0}
+def count(name, **kw):
+    key = name.rsplit("/", 1)[-1]
+    if name.startswith("/jax/compilation_cache/") and key in counts:
+        counts[key] += 1
+monitoring.register_event_listener(count)
+r = bench.rl_iteration(**json.loads(sys.argv[1]))
+print("RESULT " + json.dumps({**r, **counts}))
+"""
+
+
+def first_iteration_cached(spec: dict, iters: int = 3) -> dict:
+    """The RL iteration of `spec` (an entry of MODES[...]['rl']) in two fresh
+    processes sharing an empty persistent compilation cache: 'cold' compiles
+    and fills it, 'warm' (a rerun of the same config) loads the programs.
+    Each: setup_s, first_iter_s, steady_iter_s, losses (identical in both),
+    the cache's hits and misses, files_written (new cache entries) and
+    process_s (the whole process, imports included)."""
+    import subprocess
+    import sys
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        child = {**spec, "iters": iters, "compile_cache": cache}
+        for run in ("cold", "warm"):
+            before = set(Path(cache).iterdir())
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)],
+                                  capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                raise RuntimeError(f"bench: the {run} compile-cache run failed "
+                                   f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            r = json.loads(lines[-1][len("RESULT "):])
+            keep = ("setup_s", "first_iter_s", "steady_iter_s", "losses", "cache_hits",
+                    "cache_misses")
+            out[run] = {**{k: r[k] for k in keep}, "process_s": wall,
+                        "files_written": len(set(Path(cache).iterdir()) - before)}
+    return {"name": spec["name"], "iters": iters, **out}
 
 
 # ----------------------------------------------------------------------------- memory
@@ -455,6 +505,16 @@ def _print_tables(res: dict) -> None:
                   f"{x['first_iter_s']:>9.2f}"
                   f"{x['steady_iter_s']:>10.4f}{b['time/rollout']:>9.4f}{b['time/reward']:>8.4f}"
                   f"{b['time/ref']:>8.4f}{b['time/update']:>8.4f}")
+    c = res.get("rl_first_cached")
+    if c:
+        print(f"\nFirst RL iteration ({c['name']}), persistent compilation cache: two fresh processes")
+        print(f"{'cache':<7}{'setup s':>9}{'first s':>9}{'steady s':>10}{'process s':>11}"
+              f"{'hits':>6}{'misses':>8}{'written':>9}")
+        for run in ("cold", "warm"):
+            x = c[run]
+            print(f"{run:<7}{x['setup_s']:>9.2f}{x['first_iter_s']:>9.2f}{x['steady_iter_s']:>10.4f}"
+                  f"{x['process_s']:>11.1f}{x['cache_hits']:>6}{x['cache_misses']:>8}"
+                  f"{x['files_written']:>9}")
     mem = res.get("memory") or []
     if mem:
         print("\nPer-device memory, GiB (params fp32, compute bf16; AdamW moments fp32)")
@@ -507,6 +567,9 @@ def run_bench(mode: str = "quick", sections=SECTIONS, with_hf: bool = True,
                 continue
             say(f"RL iteration ({spec['name']}) ...")
             res["rl_iteration"].append(rl_iteration(**spec))
+        if m.get("rl_cached"):
+            say("RL first iteration, cold and warm compilation cache (two processes) ...")
+            res["rl_first_cached"] = first_iteration_cached(m["rl"][0])
     if "memory" in sections:
         res["memory"] = [memory_estimate(*spec) for spec in REAL_SCALE]
     res["peak_rss_mib"] = peak_rss_mib()
@@ -537,6 +600,10 @@ def targets(res: dict) -> dict:
         if x["name"] == "tiny":
             add("rl_tiny_steady_s", x["steady_iter_s"], "<= 0.0255", x["steady_iter_s"] <= 0.0255)
             add("rl_tiny_first_s", x["first_iter_s"], "< 3", x["first_iter_s"] < 3.0)
+    c = res.get("rl_first_cached")
+    if c:  # the same target, on a rerun that finds its programs in the compilation cache
+        w = c["warm"]["first_iter_s"]
+        add("rl_tiny_first_warm_cache_s", w, "< 3", w < 3.0)
     for x in (res.get("sampler") or {}).get("rows", []):
         if x["batch"] == 32 and x["speedup_vs_hf"] is not None:
             add(f"sampler_{x['preset']}_b32_vs_hf", x["speedup_vs_hf"], ">= 5",

@@ -8,6 +8,8 @@ import tempfile
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Subprocesses (CLI and multi-process tests) leave ~/.cache alone.
+os.environ.setdefault("ERPO_JAX_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 

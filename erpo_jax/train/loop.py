@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import xla_options
+from erpo_jax import compile_cache, xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import advantages as adv_lib
@@ -76,6 +76,7 @@ class Trainer:
     """Owns everything a run needs; `run()` trains to `train.steps` (resuming if it can)."""
 
     def __init__(self, cfg: RunConfig):
+        self.compile_cache = compile_cache.configure(cfg.train.compile_cache)
         self.sharding = build_sharding(cfg)
         self.cfg = validate(cfg, jax.device_count())
         t, a, lc = cfg.train, cfg.algo, cfg.loss

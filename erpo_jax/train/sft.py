@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import xla_options
+from erpo_jax import compile_cache, xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.hf import export_hf
 from erpo_jax.model.logprobs import token_logprobs
@@ -60,6 +60,7 @@ def pack(seqs, plens, idx, width: int, pad_id: int):
 
 def run_sft(cfg: RunConfig) -> dict:
     """Train, evaluate, export. Resumes from `<out_dir>/checkpoints` if present."""
+    compile_cache.configure(cfg.train.compile_cache)
     sharding = build_sharding(cfg)
     validate(cfg, jax.device_count())
     t, o = cfg.train, cfg.optim
