@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from erpo_jax import xla_options
+from erpo_jax.model import attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.dense import dense
 from erpo_jax.model.sharding import Sharding
@@ -208,11 +209,8 @@ class Attention(nn.Module):
         # XLA's CPU dot has no bfloat16 x bfloat16 -> float32 product against
         # the slot-minor keys: there the scores take float32 operands.
         sdt = jnp.float32 if cpu_cache else dt
-        scores = jnp.einsum(f"btngk,{ks}->bngts", qg.astype(sdt), k.astype(sdt),
-                            preferred_element_type=jnp.float32) * (K ** -0.5)
-        probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1).astype(dt)
-        out = jnp.einsum(f"bngts,{vs}->btngk", probs, v.astype(dt)).reshape(B, T, H, K)
-        return dense(out, wo.astype(dt), 2), new_cache
+        out = attention.attend(qg, k, v, bias, ks, vs, jnp.dtype(sdt).name, jnp.dtype(dt).name)
+        return dense(out.reshape(B, T, H, K), wo.astype(dt), 2), new_cache
 
 
 class MLP(nn.Module):

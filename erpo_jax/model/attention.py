@@ -1,0 +1,87 @@
+"""The attention core, softmax(q k^T / sqrt(K) + bias) v, with its own backward.
+
+Shapes: q [B, T, N, G, K] (G query heads share each of the N kv heads), keys
+and values [B, S, N, K] ("bsnk") or, from a KVCache, keys [B, N, K, S]
+("bnks") and values [B, N, S, K] ("bnsk"); bias float32 [B, T, S] (0 or
+NEG_INF); the output [B, T, N, G, K] in the compute dtype.
+
+Why not plain `jax.nn.softmax` under autodiff. On the short, narrow heads of
+RL training (T = S = 64..512, K = 16..128) the score-shaped [B, N, G, T, S]
+elementwise work costs more than the matmuls, and autodiff adds to it:
+  * forward: the softmax divides every score by its row sum. Here the
+    unnormalised exp(s - max) multiplies the values and the [.., T, K]
+    result is divided instead (S / K times fewer divisions);
+  * backward: autodiff reduces dP * P over S for every score row. The same
+    row term equals sum_K(dO * O) (the FlashAttention identity), a reduction
+    over K instead of S.
+Everything else is as autodiff would do it: the same matmuls, operands in
+the compute dtype with float32 accumulation, the exponentials saved in the
+compute dtype (what autodiff saves for the probabilities).
+Reverse mode only (`jax.grad`, `jax.vjp`); forward-mode `jax.jvp` through a
+`jax.custom_vjp` is not defined. `reference` is the plain version, for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+def _scores(q, k, ks: str, sdt):
+    scale = q.shape[-1] ** -0.5
+    return jnp.einsum(f"btngk,{ks}->bngts", q.astype(sdt), k.astype(sdt),
+                      preferred_element_type=f32) * scale
+
+
+def _forward(q, k, v, bias, ks, vs, sdt, dt):
+    s = _scores(q, k, ks, sdt) + bias[:, None, None]
+    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))                # [B, N, G, T, S]
+    row = jnp.sum(e, axis=-1)                                           # [B, N, G, T]
+    e = e.astype(dt)
+    o = jnp.einsum(f"bngts,{vs}->btngk", e, v.astype(dt), preferred_element_type=f32)
+    o = (o / row.transpose(0, 3, 1, 2)[..., None]).astype(dt)
+    return o, (e, row)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def attend(q, k, v, bias, ks: str = "bsnk", vs: str = "bsnk", sdt: str = "float32",
+           dt: str = "float32"):
+    """softmax(q k^T / sqrt(K) + bias) v -> [B, T, N, G, K] in dtype `dt`.
+
+    ks / vs: the key / value layout ("bsnk", or "bnks" / "bnsk" for a cache);
+    sdt: the dtype of the score matmul's operands; dt: the compute dtype."""
+    return _forward(q, k, v, bias, ks, vs, sdt, dt)[0]
+
+
+def _attend_fwd(q, k, v, bias, ks, vs, sdt, dt):
+    o, (e, row) = _forward(q, k, v, bias, ks, vs, sdt, dt)
+    return o, (q, k, v, bias, o, e, row)
+
+
+def _attend_bwd(ks, vs, sdt, dt, res, do):
+    q, k, v, bias, o, e, row = res
+    scale = q.shape[-1] ** -0.5
+    # dO / row: the probabilities are e / row, so every term below carries it.
+    dos = do.astype(f32) / row.transpose(0, 3, 1, 2)[..., None]         # [B, T, N, G, K]
+    dv = jnp.einsum(f"bngts,btngk->{vs}", e, dos.astype(dt), preferred_element_type=f32)
+    dp = jnp.einsum(f"btngk,{vs}->bngts", dos.astype(dt), v.astype(dt),
+                    preferred_element_type=f32)                         # dP / row
+    delta = jnp.sum(dos * o.astype(f32), axis=-1).transpose(0, 2, 3, 1)  # sum_S dP * P / row
+    ds = ((e.astype(f32) * (dp - delta[..., None])) * scale).astype(sdt)
+    dq = jnp.einsum(f"bngts,{ks}->btngk", ds, k.astype(sdt), preferred_element_type=f32)
+    dk = jnp.einsum(f"bngts,btngk->{ks}", ds, q.astype(sdt), preferred_element_type=f32)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias))
+
+
+attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def reference(q, k, v, bias, ks: str = "bsnk", vs: str = "bsnk", sdt: str = "float32",
+              dt: str = "float32"):
+    """The same function through `jax.nn.softmax` and autodiff (tests compare against it)."""
+    probs = jax.nn.softmax(_scores(q, k, ks, sdt) + bias[:, None, None], axis=-1).astype(dt)
+    return jnp.einsum(f"bngts,{vs}->btngk", probs, v.astype(dt))
