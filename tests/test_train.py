@@ -113,7 +113,7 @@ def test_reference_model_is_never_run_without_policy_kl(sft_model, tmp_path):
     assert train(cfg)["ref_forward_calls"] == 1
 
 
-def _tiny_update(micro_batches, nan_injector=None, sgd=False):
+def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0):
     from erpo_jax.model import model as M
     from erpo_jax.model.config import ModelConfig
     from erpo_jax.rl.synthetic import synthetic_batch
@@ -125,10 +125,12 @@ def _tiny_update(micro_batches, nan_injector=None, sgd=False):
                             response_width=6, with_ref_logp=True)
     loss_cfg = LossConfig(beta_policy=0.05, beta_query=0.1, entropy_coef=0.01)
     import optax
-    tx = optax.sgd(1.0) if sgd else S.make_optimizer(OptimSection(lr=1e-2), 10)[0]
+    tx, schedule = S.make_optimizer(OptimSection(lr=1e-2, warmup_steps=warmup_steps), 10)
+    if sgd:
+        tx, schedule = optax.sgd(1.0), None
     state = S.init_state(params, tx)
     upd = S.build_update(cfg, loss_cfg, AlgoSection(), tx, micro_batches=micro_batches,
-                         group_size=2, nan_injector=nan_injector)
+                         group_size=2, nan_injector=nan_injector, schedule=schedule)
     return params, state, upd, batch
 
 
@@ -151,8 +153,24 @@ def test_nonfinite_gradient_skips_the_update():
     new, m = upd(state, batch, None)
     assert float(m["update_skipped"]) == 1.0
     assert int(new.skipped) == 1 and int(new.nonfinite) == 1 and int(new.step) == 0
+    assert int(m["skipped_total"]) == 1 and int(m["nonfinite_in_a_row"]) == 1
     after = jax.tree_util.tree_map(np.asarray, (new.params, new.opt_state))
     jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
+
+
+def test_update_reports_the_learning_rate_it_applied():
+    # Linear warmup from 0 over 4 updates: the first update applies lr 0 and
+    # leaves the parameters as they were; the second applies a quarter of the peak.
+    params, state, upd, batch = _tiny_update(1, warmup_steps=4)
+    leaves = lambda s: [np.asarray(x) for x in jax.tree_util.tree_leaves(s.params)]
+    before = leaves(state)
+    state, m = upd(state, batch, None)
+    assert float(m["lr"]) == 0.0 and int(state.step) == 1
+    jax.tree_util.tree_map(np.testing.assert_array_equal, before, leaves(state))
+    state, m = upd(state, batch, None)
+    assert float(m["lr"]) == pytest.approx(0.25e-2, rel=1e-6)
+    assert any(np.any(a != b) for a, b in zip(before, leaves(state)))
+    assert int(m["skipped_total"]) == 0 and int(m["nonfinite_in_a_row"]) == 0
 
 
 def test_invalid_config_names_the_field():

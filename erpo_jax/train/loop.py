@@ -102,7 +102,7 @@ class Trainer:
             self.model_cfg, lc, a, self.tx, critic_tx, micro_batches=o.micro_batches,
             group_size=self.G, temperature=cfg.rollout.temperature,
             chunk_size=cfg.model.logprob_chunk, sharding=self.sharding,
-            state_shardings=step_lib.shardings_of(self.state))
+            state_shardings=step_lib.shardings_of(self.state), schedule=self.schedule)
         r = cfg.rollout
         self.sampler = Sampler(self.model_cfg, SamplingConfig(
             max_new_tokens=r.max_new_tokens, num_samples=self.G, temperature=r.temperature,
@@ -121,6 +121,7 @@ class Trainer:
         latest = self.ckpt.latest_step()
         self.start_step = 0 if latest is None else latest
         self._compiling, self._ahead_done = None, threading.Event()
+        self._next_indices = None   # (step, indices) prepared while the last update ran
         if t.compile_ahead and jax.process_count() == 1:
             self._compiling = threading.Thread(target=self._compile_ahead,
                                                args=(self.start_step,), daemon=True)
@@ -162,6 +163,7 @@ class Trainer:
             self.start_step = int(meta["step"])
             self.iterator.set_state(meta["data"])
             self.writer.truncate_after(self.start_step)
+        self.nonfinite_in_a_row = int(self.state.nonfinite)
         self._stop = False
 
     # ------------------------------------------------------------------ pieces
@@ -277,8 +279,12 @@ class Trainer:
     def _rl_batch(self, step: int):
         self._wait_for_compile(everything=False)
         cfg, G = self.cfg, self.G
-        self.iterator.step = step
-        idx = next(self.iterator)
+        if self._next_indices is not None and self._next_indices[0] == step:
+            idx = self._next_indices[1]
+            self.iterator.step = step + 1
+        else:
+            self.iterator.step = step
+            idx = next(self.iterator)
         prompts = [self.task.train_prompts[i] for i in idx]
         times = {}
         t0 = time.perf_counter()
@@ -286,22 +292,25 @@ class Trainer:
                     rollout_key(jax.random.fold_in(self.seed_key, 1), step),
                     cfg.rollout.max_prompts_per_call)
         times["time/rollout"] = time.perf_counter() - t0
+        batch = rollout_to_batch(ro, np.zeros(ro.response_tokens.shape[0], np.float32), idx,
+                                 self.ref_cache, self.weights, G)
+        lc, a = cfg.loss, cfg.algo
+        t0 = time.perf_counter()
+        ref_logp = None
+        if lc.needs_ref_logp:   # dispatched before the rewards and read after them: they overlap
+            ref_logp = self.ref_logp_fn(self.ref_params, _put(batch.tokens, self.sharding),
+                                        _put(batch.attn_mask, self.sharding))
+            self.ref_forward_calls += 1
+        times["time/ref"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         texts = self.tokenizer.decode_responses(ro.response_tokens, ro.response_mask)
         golds = [self.task.train[i].answer for i in idx for _ in range(G)]
         rewards, reasons = self.task.reward_fn(texts, golds)
         times["time/reward"] = time.perf_counter() - t0
-        batch = rollout_to_batch(ro, np.zeros(len(rewards), np.float32), idx, self.ref_cache,
-                                 self.weights, G)
         t0 = time.perf_counter()
-        ref_logp = None
-        lc, a = cfg.loss, cfg.algo
-        if lc.needs_ref_logp:
-            ref_logp = to_host(self.ref_logp_fn(
-                self.ref_params, _put(batch.tokens, self.sharding),
-                _put(batch.attn_mask, self.sharding)))
-            self.ref_forward_calls += 1
-        times["time/ref"] = time.perf_counter() - t0
+        if ref_logp is not None:
+            ref_logp = to_host(ref_logp)
+        times["time/ref"] += time.perf_counter() - t0
         token = ((batch.old_logp, ref_logp, batch.response_mask) if self._shapes_rewards
                  else (None, None, None))
         shaped, adv = self.advantages_fn(rewards.astype(np.float32), *token)
@@ -347,8 +356,14 @@ class Trainer:
                                               take(critic_batch.returns))
                 self.state, m = self.update(self.state, mb, cb)
                 metrics.append(m)
-        out = {k: float(np.mean([float(m[k]) for m in metrics])) for k in metrics[0]}
-        out["lr"] = float(self.schedule(int(self.state.step)))
+        # While the updates run: the next step's prompt indices (host work).
+        self._next_indices = (step + 1, self.iterator.batch_at(step + 1))
+        host = jax.device_get(metrics)   # every number of the step in one transfer
+        counters = host[-1]
+        self.nonfinite_in_a_row = int(counters["nonfinite_in_a_row"])
+        out = {k: float(np.mean([h[k] for h in host])) for k in host[0]
+               if k not in ("skipped_total", "nonfinite_in_a_row")}
+        out["nonfinite_skipped_total"] = float(counters["skipped_total"])
         return out
 
     def drift(self) -> dict:
@@ -425,7 +440,6 @@ class Trainer:
                 row = {**info, **upd, **times}
                 n_tok = float(np.sum(ro.lengths) + ro.prompt_mask.sum())
                 row["tokens_per_sec"] = n_tok / max(time.perf_counter() - t_start, 1e-9)
-                row["nonfinite_skipped_total"] = float(self.state.skipped)
                 if t.drift_every > 0 and done % t.drift_every == 0:
                     row.update(self.drift())
                     if t.policy_kl_metric:
@@ -437,9 +451,9 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}",
                                     drift=f"{row.get('drift/qkl_k3', float('nan')):.4f}")
-                if int(self.state.nonfinite) >= t.max_nonfinite:
+                if self.nonfinite_in_a_row >= t.max_nonfinite:
                     raise FloatingPointError(
-                        f"{int(self.state.nonfinite)} consecutive updates had a non-finite loss or "
+                        f"{self.nonfinite_in_a_row} consecutive updates had a non-finite loss or "
                         f"gradient (limit train.max_nonfinite={t.max_nonfinite}); parameters were "
                         "left untouched by each. Lower optim.lr or check the data.")
                 if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):

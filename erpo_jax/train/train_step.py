@@ -135,12 +135,16 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                  critic_tx=None, *, micro_batches: int = 1, group_size: int = 1,
                  temperature: float = 1.0, chunk_size: int | None = 512,
                  sharding: Sharding | None = None, state_shardings=None,
-                 nan_injector=None):
+                 nan_injector=None, schedule=None):
     """The jitted `update(state, batch, critic_batch) -> (state, metrics)`.
 
     batch: RLBatch of N rows (whole groups of `group_size`, query-major);
     critic_batch: CriticBatch or None (PPO only). The state is donated.
     nan_injector: test hook, a function grads -> grads applied before the check.
+    schedule: the optimizer's learning-rate schedule; with it the metrics
+    carry `lr`, the rate this update applied (so the host reads every number
+    of a step in one transfer). The metrics also carry the state's skip
+    counters after the update: `skipped_total`, `nonfinite_in_a_row`.
     """
     n_micro = micro_batches
 
@@ -212,11 +216,14 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
             out_metrics["critic_grad_norm"] = optax.tree.norm(cgrads)
         out_metrics.update(loss=acc["loss"], grad_norm=grad_norm,
                            update_skipped=(~ok).astype(jnp.float32))
+        if schedule is not None:   # optax counts applied updates as state.step does
+            out_metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         new_state = TrainState(
             step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state,
             critic=critic, critic_opt=critic_opt,
             nonfinite=jnp.where(ok, 0, state.nonfinite + 1),
             skipped=state.skipped + (~ok).astype(jnp.int32))
+        out_metrics.update(skipped_total=new_state.skipped, nonfinite_in_a_row=new_state.nonfinite)
         if state_shardings is not None:
             new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
         return new_state, out_metrics
