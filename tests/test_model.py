@@ -176,6 +176,27 @@ def test_token_logprobs_chunked_equals_unchunked():
     np.testing.assert_allclose(np.asarray(chunked.logp_t1), np.asarray(ref1), atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_token_logprobs_last_scores_only_the_response_columns(chunk):
+    cfg = ModelConfig(vocab_size=512)
+    params = M.init_params(cfg, jax.random.key(0))
+    toks = jax.random.randint(jax.random.key(1), (3, 41), 0, cfg.vocab_size)
+    mask = jnp.ones_like(toks).at[0, :7].set(0)
+    full = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=chunk)
+    part = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=chunk, last=19)
+    for a, b in zip(full, part):
+        assert b.shape == a.shape == (3, 40)
+        np.testing.assert_allclose(np.asarray(b[:, -19:]), np.asarray(a[:, -19:]),
+                                   atol=1e-6, rtol=1e-6)
+        assert np.all(np.asarray(b[:, :-19]) == 0.0)
+    # The head runs on the last 19 positions only: no [3, 40, V] logits.
+    hlo = jax.jit(lambda p: token_logprobs(p, cfg, toks, mask, chunk_size=None, last=19).logp
+                  ).lower(params).as_text()
+    assert "3x19x512" in hlo and "3x40x512" not in hlo
+    with pytest.raises(ValueError, match="last=41 must be in"):
+        token_logprobs(params, cfg, toks, mask, last=41)
+
+
 def test_token_logprobs_chunked_never_builds_full_logits():
     cfg = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16)

@@ -48,7 +48,7 @@ def logprobs_from_logits(logits: jax.Array, targets: jax.Array, temperature=1.0)
 def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.Array | None = None,
                    *, temperature=1.0, chunk_size: int | None = 512,
                    positions: jax.Array | None = None,
-                   sharding: Sharding | None = None) -> TokenLogprobs:
+                   sharding: Sharding | None = None, last: int | None = None) -> TokenLogprobs:
     """Log-probabilities of each next token, from one forward pass.
 
     tokens: int32[B, T] (left padding allowed); attn_mask: [B, T], 1 = real.
@@ -56,6 +56,10 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
       always at temperature 1.
     chunk_size: sequence positions per LM-head chunk; None = one chunk (only
       for small inputs: it materialises [B, T-1, V]).
+    last: score only the last `last` next-token predictions (e.g. a
+      rollout's response columns, all a response-side KL needs); the LM head
+      and log-softmax then skip the prompt positions, and the other
+      T-1-last columns of every output are 0.
     Returns TokenLogprobs of float32[B, T-1]; values at padded positions are
     finite but meaningless (mask them).
     """
@@ -65,6 +69,21 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
         raise ValueError(f"token_logprobs: need at least 2 tokens per row, got T={tokens.shape[1]}.")
     h, _ = model_lib.hidden_states(params, cfg, tokens, positions, attn_mask, sharding=sharding)
     h, targets = h[:, :-1], tokens[:, 1:]
+    skip = 0
+    if last is not None:
+        if not 0 < last <= h.shape[1]:
+            raise ValueError(f"token_logprobs: last={last} must be in [1, T-1={h.shape[1]}].")
+        skip = h.shape[1] - last
+        h, targets = h[:, skip:], targets[:, skip:]
+    out = _head_stats(params, cfg, h, targets, temperature, chunk_size, sharding)
+    if skip:
+        out = TokenLogprobs(*(jnp.pad(a, ((0, 0), (skip, 0))) for a in out))
+    return out
+
+
+def _head_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size,
+                sharding) -> TokenLogprobs:
+    """TokenLogprobs of hidden states h [B, T', D] predicting targets [B, T']."""
     B, Tm1, D = h.shape
     same_temp = isinstance(temperature, (int, float)) and float(temperature) == 1.0
 

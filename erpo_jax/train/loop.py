@@ -255,7 +255,8 @@ class Trainer:
         if self.cfg.loss.needs_ref_logp:
             rows = lambda a: a.update(shape=(self.B * self.G, a.shape[1]))
             jobs.append(("reference forward", lambda: self.ref_logp_fn.lower(
-                state.params, rows(batch.tokens), rows(batch.attn_mask)).compile()))
+                state.params, rows(batch.tokens), rows(batch.attn_mask),
+                last=self.sampler.sampling.max_new_tokens).compile()))
         R, Tm1 = self.B * self.G, batch.old_logp.shape[1]
         logp = jax.ShapeDtypeStruct((R, Tm1), jnp.float32)
         token = ((logp, logp, jax.ShapeDtypeStruct((R, Tm1), jnp.bool_)) if self._shapes_rewards
@@ -299,7 +300,8 @@ class Trainer:
         ref_logp = None
         if lc.needs_ref_logp:   # dispatched before the rewards and read after them: they overlap
             ref_logp = self.ref_logp_fn(self.ref_params, _put(batch.tokens, self.sharding),
-                                        _put(batch.attn_mask, self.sharding))
+                                        _put(batch.attn_mask, self.sharding),
+                                        last=ro.response_tokens.shape[1])
             self.ref_forward_calls += 1
         times["time/ref"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -394,8 +396,9 @@ class Trainer:
     def _policy_kl_metric(self, batch: RLBatch) -> dict:
         from erpo_jax.rl.kl import kl_estimate
         tok, m = _put(batch.tokens, self.sharding), _put(batch.attn_mask, self.sharding)
-        ref = jnp.asarray(to_host(self.ref_logp_fn(self.ref_params, tok, m)))
-        cur = jnp.asarray(to_host(self.ref_logp_fn(self.state.params, tok, m)))
+        last = self.sampler.sampling.max_new_tokens   # the response columns
+        ref = jnp.asarray(to_host(self.ref_logp_fn(self.ref_params, tok, m, last=last)))
+        cur = jnp.asarray(to_host(self.ref_logp_fn(self.state.params, tok, m, last=last)))
         rm = jnp.asarray(batch.response_mask)
         k = kl_estimate(cur, ref, "k3", rm)
         return {"drift/policy_kl_k3": float(jnp.sum(k) / jnp.maximum(jnp.sum(rm), 1))}

@@ -239,10 +239,12 @@ def shardings_of(tree):
 @functools.lru_cache(maxsize=None)
 def make_logprob_fn(model_cfg: ModelConfig, temperature: float, chunk_size: int | None,
                     sharding: Sharding | None = None):
-    """Jitted (params, tokens, mask) -> logp float32[N, T-1] at `temperature`
-    (the reference's response log-probs for Policy-KL)."""
-    def logprob_fn(params, tokens, mask):
+    """Jitted (params, tokens, mask, last=None) -> logp float32[N, T-1] at
+    `temperature` (the reference's response log-probs for Policy-KL).
+    last (static): score only the last `last` predictions, a rollout's
+    response columns; the others are 0 (see `token_logprobs`)."""
+    def logprob_fn(params, tokens, mask, last=None):
         return token_logprobs(params, model_cfg, tokens, mask, temperature=temperature,
-                              chunk_size=chunk_size, sharding=sharding).logp
+                              chunk_size=chunk_size, sharding=sharding, last=last).logp
 
-    return jax.jit(logprob_fn, compiler_options=xla_options.for_steps())
+    return jax.jit(logprob_fn, static_argnames="last", compiler_options=xla_options.for_steps())
