@@ -17,6 +17,9 @@ elementwise work costs more than the matmuls, and autodiff adds to it:
 Everything else is as autodiff would do it: the same matmuls, operands in
 the compute dtype with float32 accumulation, the exponentials saved in the
 compute dtype (what autodiff saves for the probabilities).
+On the CPU every dot here takes float32 operands: XLA's CPU backend computes
+bfloat16 dots in float32 anyway, and its DotThunk rejects some bfloat16 x
+bfloat16 -> float32 products (e.g. the backward's at batch 4 x 16 tokens).
 Reverse mode only (`jax.grad`, `jax.vjp`); forward-mode `jax.jvp` through a
 `jax.custom_vjp` is not defined. `reference` is the plain version, for tests.
 """
@@ -31,9 +34,14 @@ import jax.numpy as jnp
 f32 = jnp.float32
 
 
+def _mm(dtype: str):
+    """The operand dtype of a dot whose inputs are in `dtype` (float32 on the CPU)."""
+    return f32 if jax.default_backend() == "cpu" else jnp.dtype(dtype)
+
+
 def _scores(q, k, ks: str, sdt):
     scale = q.shape[-1] ** -0.5
-    return jnp.einsum(f"btngk,{ks}->bngts", q.astype(sdt), k.astype(sdt),
+    return jnp.einsum(f"btngk,{ks}->bngts", q.astype(_mm(sdt)), k.astype(_mm(sdt)),
                       preferred_element_type=f32) * scale
 
 
@@ -42,7 +50,8 @@ def _forward(q, k, v, bias, ks, vs, sdt, dt):
     e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))                # [B, N, G, T, S]
     row = jnp.sum(e, axis=-1)                                           # [B, N, G, T]
     e = e.astype(dt)
-    o = jnp.einsum(f"bngts,{vs}->btngk", e, v.astype(dt), preferred_element_type=f32)
+    o = jnp.einsum(f"bngts,{vs}->btngk", e.astype(_mm(dt)), v.astype(_mm(dt)),
+                   preferred_element_type=f32)
     o = (o / row.transpose(0, 3, 1, 2)[..., None]).astype(dt)
     return o, (e, row)
 
@@ -66,14 +75,16 @@ def _attend_bwd(ks, vs, sdt, dt, res, do):
     q, k, v, bias, o, e, row = res
     scale = q.shape[-1] ** -0.5
     # dO / row: the probabilities are e / row, so every term below carries it.
+    m, ms = _mm(dt), _mm(sdt)
     dos = do.astype(f32) / row.transpose(0, 3, 1, 2)[..., None]         # [B, T, N, G, K]
-    dv = jnp.einsum(f"bngts,btngk->{vs}", e, dos.astype(dt), preferred_element_type=f32)
-    dp = jnp.einsum(f"btngk,{vs}->bngts", dos.astype(dt), v.astype(dt),
+    dos_m = dos.astype(dt).astype(m)
+    dv = jnp.einsum(f"bngts,btngk->{vs}", e.astype(m), dos_m, preferred_element_type=f32)
+    dp = jnp.einsum(f"btngk,{vs}->bngts", dos_m, v.astype(m),
                     preferred_element_type=f32)                         # dP / row
     delta = jnp.sum(dos * o.astype(f32), axis=-1).transpose(0, 2, 3, 1)  # sum_S dP * P / row
-    ds = ((e.astype(f32) * (dp - delta[..., None])) * scale).astype(sdt)
-    dq = jnp.einsum(f"bngts,{ks}->btngk", ds, k.astype(sdt), preferred_element_type=f32)
-    dk = jnp.einsum(f"bngts,btngk->{ks}", ds, q.astype(sdt), preferred_element_type=f32)
+    ds = ((e.astype(f32) * (dp - delta[..., None])) * scale).astype(sdt).astype(ms)
+    dq = jnp.einsum(f"bngts,{ks}->btngk", ds, k.astype(ms), preferred_element_type=f32)
+    dk = jnp.einsum(f"bngts,btngk->{ks}", ds, q.astype(ms), preferred_element_type=f32)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias))
 
 
@@ -84,4 +95,5 @@ def reference(q, k, v, bias, ks: str = "bsnk", vs: str = "bsnk", sdt: str = "flo
               dt: str = "float32"):
     """The same function through `jax.nn.softmax` and autodiff (tests compare against it)."""
     probs = jax.nn.softmax(_scores(q, k, ks, sdt) + bias[:, None, None], axis=-1).astype(dt)
-    return jnp.einsum(f"bngts,{vs}->btngk", probs, v.astype(dt))
+    return jnp.einsum(f"bngts,{vs}->btngk", probs.astype(_mm(dt)), v.astype(_mm(dt)),
+                      preferred_element_type=f32).astype(dt)

@@ -187,13 +187,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                 "loss": jnp.zeros((), jnp.float32)}
         if critic_batch is not None:
             acc0["critic_grads"] = jax.tree_util.tree_map(jnp.zeros_like, state.critic)
-        if n_micro == 1:
-            # One micro-batch: no loop, so XLA can fuse across the gradient and the update.
-            first = jax.tree_util.tree_map(lambda x: x[0], (micro, counts, cb))
-            acc, (metrics, terms) = body(acc0, first)
-            metrics, terms = jax.tree_util.tree_map(lambda x: x[None], (metrics, terms))
-        else:
-            acc, (metrics, terms) = jax.lax.scan(body, acc0, (micro, counts, cb))
+        acc, (metrics, terms) = jax.lax.scan(body, acc0, (micro, counts, cb))
         grads = acc["grads"]
         if nan_injector is not None:
             grads = nan_injector(grads)
