@@ -345,7 +345,7 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
 
 _CHILD = """
 import json, sys
-from jax._src import monitoring
+from jax import monitoring
 from erpo_jax import bench
 counts = {"cache_hits": 0, "cache_misses": 0}
 def count(name, **kw):
