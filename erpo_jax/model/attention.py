@@ -68,11 +68,13 @@ def attend(q, k, v, bias, ks: str = "bsnk", vs: str = "bsnk", sdt: str = "float3
 
 def _attend_fwd(q, k, v, bias, ks, vs, sdt, dt):
     o, (e, row) = _forward(q, k, v, bias, ks, vs, sdt, dt)
-    return o, (q, k, v, bias, o, e, row)
+    # Not the bias: it gets no gradient, and under a layer scan every saved
+    # array is stacked once per layer.
+    return o, (q, k, v, o, e, row)
 
 
 def _attend_bwd(ks, vs, sdt, dt, res, do):
-    q, k, v, bias, o, e, row = res
+    q, k, v, o, e, row = res
     scale = q.shape[-1] ** -0.5
     # dO / row: the probabilities are e / row, so every term below carries it.
     m, ms = _mm(dt), _mm(sdt)
@@ -85,7 +87,9 @@ def _attend_bwd(ks, vs, sdt, dt, res, do):
     ds = ((e.astype(f32) * (dp - delta[..., None])) * scale).astype(sdt).astype(ms)
     dq = jnp.einsum(f"bngts,{ks}->btngk", ds, k.astype(ms), preferred_element_type=f32)
     dk = jnp.einsum(f"bngts,btngk->{ks}", ds, q.astype(ms), preferred_element_type=f32)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias))
+    B, _, _, T, S = e.shape
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            jnp.zeros((B, T, S), f32))
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)
