@@ -48,10 +48,12 @@ def _eval(args) -> int:
 
     import jax
 
+    from erpo_jax import compile_cache
     from erpo_jax.train.evaluate import Evaluator, write_eval
     from erpo_jax.train.policy import build_sharding, load_policy
     from erpo_jax.train.tasks import load_task
     cfg = _load(args)
+    compile_cache.configure(cfg.train.compile_cache)
     if args.checkpoint:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="hf",
                                                                  path=args.checkpoint))

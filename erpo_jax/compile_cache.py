@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache for training runs.
+"""JAX's persistent compilation cache for `erpo train`, `erpo sft` and `erpo eval`.
 
 A run compiles the same few programs (rollout, reference forward, advantages,
 update) every time it starts; with the cache on disk a rerun of an unchanged

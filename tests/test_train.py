@@ -56,6 +56,17 @@ def test_cli_train_each_algorithm_with_erpo(sft_model, tmp_path, algo):
         assert "value_loss" in rows[-1]
 
 
+def test_cli_eval_of_an_exported_model(sft_model, tmp_path, capsys):
+    out = tmp_path / "eval"
+    rc = cli.main(["eval", "--checkpoint", str(sft_model), "--out", str(out), *TINY])
+    assert rc == 0
+    rows = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["sets"]
+    for name, res in rows[0]["sets"].items():
+        assert 0.0 <= res["greedy_acc"] <= 1.0 and res["n_problems"] > 0, (name, res)
+    assert '"average"' in capsys.readouterr().out
+
+
 def _state_arrays(run_dir, step):
     from erpo_jax.train.checkpoint import Checkpointer
     ck = Checkpointer(run_dir / "checkpoints")
