@@ -507,14 +507,15 @@ def _print_tables(res: dict) -> None:
                   f"{b['time/ref']:>8.4f}{b['time/update']:>8.4f}")
     c = res.get("rl_first_cached")
     if c:
-        print(f"\nFirst RL iteration ({c['name']}), persistent compilation cache: two fresh processes")
+        print(f"\nFirst RL iteration ({c['name']}), persistent compilation cache: "
+              "two fresh processes")
         print(f"{'cache':<7}{'setup s':>9}{'first s':>9}{'steady s':>10}{'process s':>11}"
               f"{'hits':>6}{'misses':>8}{'written':>9}")
         for run in ("cold", "warm"):
             x = c[run]
-            print(f"{run:<7}{x['setup_s']:>9.2f}{x['first_iter_s']:>9.2f}{x['steady_iter_s']:>10.4f}"
-                  f"{x['process_s']:>11.1f}{x['cache_hits']:>6}{x['cache_misses']:>8}"
-                  f"{x['files_written']:>9}")
+            print(f"{run:<7}{x['setup_s']:>9.2f}{x['first_iter_s']:>9.2f}"
+                  f"{x['steady_iter_s']:>10.4f}{x['process_s']:>11.1f}"
+                  f"{x['cache_hits']:>6}{x['cache_misses']:>8}{x['files_written']:>9}")
     mem = res.get("memory") or []
     if mem:
         print("\nPer-device memory, GiB (params fp32, compute bf16; AdamW moments fp32)")

@@ -13,14 +13,20 @@ Which directory (first match wins):
      `jax.config.update("jax_compilation_cache_dir", ...)`): left untouched.
   2. `train.compile_cache`: a path, or "off".
   3. "auto" (the default): `$ERPO_JAX_COMPILE_CACHE` (a path or "off") if set,
-     else `~/.cache/erpo_jax/jax_cache`.
+     else `~/.cache/erpo_jax/jax_cache/<machine>`, where <machine> names the
+     architecture and a digest of the CPU's feature flags and the jaxlib
+     version. A home directory shared by different machines (a cluster) then
+     never hands one CPU code compiled for another's instruction set, nor one
+     jaxlib another's executables.
 A directory that cannot be created turns the cache off with a warning; a run
 never fails because of it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import warnings
 from pathlib import Path
 
@@ -33,10 +39,30 @@ DEFAULT_DIR = "~/.cache/erpo_jax/jax_cache"
 MIN_COMPILE_SECONDS = 0.2
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags as the kernel lists them ('' where it does not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":")[0].strip() in ("flags", "Features"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine_tag(cpu_flags: str | None = None) -> str:
+    """'<arch>-<12 hex>': the architecture, and a digest of the CPU flags and jaxlib version."""
+    import jaxlib
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    digest = hashlib.sha256(f"{flags}|jaxlib {jaxlib.__version__}".encode()).hexdigest()[:12]
+    return f"{platform.machine() or 'unknown'}-{digest}"
+
+
 def resolve(setting: str) -> str | None:
     """The directory `setting` ('auto', 'off' or a path) names, or None for off."""
     if setting == "auto":
-        setting = os.environ.get(ENV, "") or DEFAULT_DIR
+        setting = os.environ.get(ENV, "") or str(Path(DEFAULT_DIR) / machine_tag())
     if setting.strip().lower() in ("off", "none", "0", "false", ""):
         return None
     return str(Path(setting).expanduser())

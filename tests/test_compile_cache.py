@@ -14,13 +14,23 @@ from erpo_jax import bench, compile_cache
 def test_resolve(monkeypatch):
     monkeypatch.delenv(compile_cache.ENV, raising=False)
     assert compile_cache.resolve("off") is None
-    assert compile_cache.resolve("auto") == str(Path(compile_cache.DEFAULT_DIR).expanduser())
+    auto = Path(compile_cache.resolve("auto"))
+    assert auto.parent == Path(compile_cache.DEFAULT_DIR).expanduser()
+    assert auto.name == compile_cache.machine_tag()    # one directory per kind of machine
     assert compile_cache.resolve("~/x") == str(Path("~/x").expanduser())
     monkeypatch.setenv(compile_cache.ENV, "off")
     assert compile_cache.resolve("auto") is None
     assert compile_cache.resolve("/tmp/explicit") == "/tmp/explicit"  # a path beats the env
     monkeypatch.setenv(compile_cache.ENV, "/tmp/from-env")
     assert compile_cache.resolve("auto") == "/tmp/from-env"
+
+
+def test_machine_tag_separates_instruction_sets():
+    avx512 = compile_cache.machine_tag("fpu sse2 avx2 avx512f avx512bw")
+    avx2 = compile_cache.machine_tag("fpu sse2 avx2")
+    assert avx512 != avx2
+    assert avx512 == compile_cache.machine_tag("fpu sse2 avx2 avx512f avx512bw")
+    assert compile_cache.machine_tag() == compile_cache.machine_tag()
 
 
 def test_user_setting_wins():

@@ -140,7 +140,7 @@ class TrainSection:
     # background thread while the reference pass runs (single-process runs).
     compile_ahead: bool = True
     # JAX's persistent compilation cache: 'auto' ($ERPO_JAX_COMPILE_CACHE, else
-    # ~/.cache/erpo_jax/jax_cache), 'off', or a directory (see erpo_jax.compile_cache).
+    # ~/.cache/erpo_jax/jax_cache/<machine>), 'off', or a directory (see erpo_jax.compile_cache).
     compile_cache: str = "auto"
 
 
