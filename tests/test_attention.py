@@ -60,7 +60,7 @@ def test_fully_masked_rows_attend_uniformly_and_get_exact_zero_key_gradients():
 
 def test_bfloat16_close_to_autodiff():
     q, k, v, bias, w = _inputs(2, dtype=jnp.bfloat16)
-    args = ("bsnk", "bsnk", "bfloat16", "bfloat16")
+    args = ("bsnk", "bsnk", "bfloat16")
     out = A.attend(q, k, v, bias, *args)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(out.astype(np.float32),

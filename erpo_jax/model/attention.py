@@ -19,7 +19,8 @@ the compute dtype with float32 accumulation, the exponentials saved in the
 compute dtype (what autodiff saves for the probabilities).
 On the CPU every dot here takes float32 operands: XLA's CPU backend computes
 bfloat16 dots in float32 anyway, and its DotThunk rejects some bfloat16 x
-bfloat16 -> float32 products (e.g. the backward's at batch 4 x 16 tokens).
+bfloat16 -> float32 products (the backward's at batch 4 x 16 tokens, and
+prefill scores against a KVCache's slot-minor keys).
 Reverse mode only (`jax.grad`, `jax.vjp`); forward-mode `jax.jvp` through a
 `jax.custom_vjp` is not defined. `reference` is the plain version, for tests.
 """
@@ -39,14 +40,14 @@ def _mm(dtype: str):
     return f32 if jax.default_backend() == "cpu" else jnp.dtype(dtype)
 
 
-def _scores(q, k, ks: str, sdt):
+def _scores(q, k, ks: str, dt):
     scale = q.shape[-1] ** -0.5
-    return jnp.einsum(f"btngk,{ks}->bngts", q.astype(_mm(sdt)), k.astype(_mm(sdt)),
+    return jnp.einsum(f"btngk,{ks}->bngts", q.astype(_mm(dt)), k.astype(_mm(dt)),
                       preferred_element_type=f32) * scale
 
 
-def _forward(q, k, v, bias, ks, vs, sdt, dt):
-    s = _scores(q, k, ks, sdt) + bias[:, None, None]
+def _forward(q, k, v, bias, ks, vs, dt):
+    s = _scores(q, k, ks, dt) + bias[:, None, None]
     e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))                # [B, N, G, T, S]
     row = jnp.sum(e, axis=-1)                                           # [B, N, G, T]
     e = e.astype(dt)
@@ -56,37 +57,36 @@ def _forward(q, k, v, bias, ks, vs, sdt, dt):
     return o, (e, row)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def attend(q, k, v, bias, ks: str = "bsnk", vs: str = "bsnk", sdt: str = "float32",
-           dt: str = "float32"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def attend(q, k, v, bias, ks: str = "bsnk", vs: str = "bsnk", dt: str = "float32"):
     """softmax(q k^T / sqrt(K) + bias) v -> [B, T, N, G, K] in dtype `dt`.
 
     ks / vs: the key / value layout ("bsnk", or "bnks" / "bnsk" for a cache);
-    sdt: the dtype of the score matmul's operands; dt: the compute dtype."""
-    return _forward(q, k, v, bias, ks, vs, sdt, dt)[0]
+    dt: the compute dtype (the dots' operand dtype off the CPU)."""
+    return _forward(q, k, v, bias, ks, vs, dt)[0]
 
 
-def _attend_fwd(q, k, v, bias, ks, vs, sdt, dt):
-    o, (e, row) = _forward(q, k, v, bias, ks, vs, sdt, dt)
+def _attend_fwd(q, k, v, bias, ks, vs, dt):
+    o, (e, row) = _forward(q, k, v, bias, ks, vs, dt)
     # Not the bias: it gets no gradient, and under a layer scan every saved
     # array is stacked once per layer.
     return o, (q, k, v, o, e, row)
 
 
-def _attend_bwd(ks, vs, sdt, dt, res, do):
+def _attend_bwd(ks, vs, dt, res, do):
     q, k, v, o, e, row = res
     scale = q.shape[-1] ** -0.5
     # dO / row: the probabilities are e / row, so every term below carries it.
-    m, ms = _mm(dt), _mm(sdt)
+    m = _mm(dt)
     dos = do.astype(f32) / row.transpose(0, 3, 1, 2)[..., None]         # [B, T, N, G, K]
     dos_m = dos.astype(dt).astype(m)
     dv = jnp.einsum(f"bngts,btngk->{vs}", e.astype(m), dos_m, preferred_element_type=f32)
     dp = jnp.einsum(f"btngk,{vs}->bngts", dos_m, v.astype(m),
                     preferred_element_type=f32)                         # dP / row
     delta = jnp.sum(dos * o.astype(f32), axis=-1).transpose(0, 2, 3, 1)  # sum_S dP * P / row
-    ds = ((e.astype(f32) * (dp - delta[..., None])) * scale).astype(sdt).astype(ms)
-    dq = jnp.einsum(f"bngts,{ks}->btngk", ds, k.astype(ms), preferred_element_type=f32)
-    dk = jnp.einsum(f"bngts,btngk->{ks}", ds, q.astype(ms), preferred_element_type=f32)
+    ds = ((e.astype(f32) * (dp - delta[..., None])) * scale).astype(dt).astype(m)
+    dq = jnp.einsum(f"bngts,{ks}->btngk", ds, k.astype(m), preferred_element_type=f32)
+    dk = jnp.einsum(f"bngts,btngk->{ks}", ds, q.astype(m), preferred_element_type=f32)
     B, _, _, T, S = e.shape
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             jnp.zeros((B, T, S), f32))
@@ -95,9 +95,8 @@ def _attend_bwd(ks, vs, sdt, dt, res, do):
 attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def reference(q, k, v, bias, ks: str = "bsnk", vs: str = "bsnk", sdt: str = "float32",
-              dt: str = "float32"):
+def reference(q, k, v, bias, ks: str = "bsnk", vs: str = "bsnk", dt: str = "float32"):
     """The same function through `jax.nn.softmax` and autodiff (tests compare against it)."""
-    probs = jax.nn.softmax(_scores(q, k, ks, sdt) + bias[:, None, None], axis=-1).astype(dt)
+    probs = jax.nn.softmax(_scores(q, k, ks, dt) + bias[:, None, None], axis=-1).astype(dt)
     return jnp.einsum(f"bngts,{vs}->btngk", probs.astype(_mm(dt)), v.astype(_mm(dt)),
                       preferred_element_type=f32).astype(dt)

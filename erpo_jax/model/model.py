@@ -192,8 +192,7 @@ class Attention(nn.Module):
 
         B, T = q.shape[:2]
         qg = q.reshape(B, T, N, H // N, K)
-        cpu_cache = layer_cache is not None and jax.default_backend() == "cpu"
-        if T == 1 and cpu_cache:
+        if T == 1 and layer_cache is not None and jax.default_backend() == "cpu":
             # One-token decode on the CPU, in float32: the scores reduce over K
             # with the slot-minor keys' S slots as vector lanes. Measured:
             # [G, K] x [K, S] products on slot-major keys decoded 4x slower
@@ -206,10 +205,7 @@ class Attention(nn.Module):
             out = jnp.einsum("bngs,bnsk->bngk", probs[:, :, :, 0], v.astype(f32))
             out = out.astype(dt).reshape(B, 1, H, K)
             return dense(out, wo.astype(dt), 2), new_cache
-        # XLA's CPU dot has no bfloat16 x bfloat16 -> float32 product against
-        # the slot-minor keys: there the scores take float32 operands.
-        sdt = jnp.float32 if cpu_cache else dt
-        out = attention.attend(qg, k, v, bias, ks, vs, jnp.dtype(sdt).name, jnp.dtype(dt).name)
+        out = attention.attend(qg, k, v, bias, ks, vs, jnp.dtype(dt).name)
         return dense(out.reshape(B, T, H, K), wo.astype(dt), 2), new_cache
 
 

@@ -280,12 +280,9 @@ class Trainer:
     def _rl_batch(self, step: int):
         self._wait_for_compile(everything=False)
         cfg, G = self.cfg, self.G
-        if self._next_indices is not None and self._next_indices[0] == step:
-            idx = self._next_indices[1]
-            self.iterator.step = step + 1
-        else:
-            self.iterator.step = step
-            idx = next(self.iterator)
+        ahead = self._next_indices
+        idx = ahead[1] if ahead is not None and ahead[0] == step else self.iterator.batch_at(step)
+        self.iterator.step = step + 1
         prompts = [self.task.train_prompts[i] for i in idx]
         times = {}
         t0 = time.perf_counter()
