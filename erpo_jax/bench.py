@@ -292,7 +292,8 @@ def _padded_task_loader(width: int):
 def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: int,
                  new_tokens: int, iters: int, micro_batches: int = 1,
                  beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
-                 compile_cache: str = "off") -> dict:
+                 compile_cache: str = "off", temperature: float = 1.0, top_k: int = 0,
+                 optim: dict | None = None) -> dict:
     """Time `iters` RL steps through the Trainer's own `_rl_batch` + `_update`
     (rollout, arithmetic exact-match reward, GRPO advantages, the reference
     forward for Policy-KL, the update). Iteration 0 includes compilation;
@@ -301,7 +302,8 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
     so setup_s + first_iter_s is the time to the first finished step.
     mesh: (data, fsdp, tensor), the Trainer's default (all devices on data).
     compile_cache: train.compile_cache; 'off' (the default) measures cold
-    compiles whatever the user's cache holds (see `first_iteration_cached`)."""
+    compiles whatever the user's cache holds (see `first_iteration_cached`).
+    temperature, top_k, optim (OptimSection fields): as a peer runs them."""
     from erpo_jax.train import loop as loop_lib
     from erpo_jax.train.config import (DataSection, MeshSection, ModelSection, OptimSection,
                                        RolloutSection, RunConfig, TrainSection)
@@ -309,9 +311,11 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
         cfg = RunConfig(
             name=f"bench-{name}", model=ModelSection(init="random", preset=preset),
             data=DataSection(n_train=max(64, prompts), n_test=4, max_prompt_len=prompt_len),
-            rollout=RolloutSection(group_size=group, max_new_tokens=new_tokens),
+            rollout=RolloutSection(group_size=group, max_new_tokens=new_tokens,
+                                   temperature=temperature, top_k=top_k),
             loss=LossConfig(beta_policy=beta_policy),
-            optim=OptimSection(micro_batches=micro_batches), mesh=MeshSection(tuple(mesh)),
+            optim=OptimSection(micro_batches=micro_batches, **(optim or {})),
+            mesh=MeshSection(tuple(mesh)),
             train=TrainSection(steps=iters, batch_size=prompts, out_dir=f"{tmp}/run",
                                eval_every=0, drift_every=0, drift_queries=4,
                                eval_max_problems=4, progress=False,
@@ -339,6 +343,7 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
             "micro_batches": micro_batches, "iters": iters, "setup_s": setup,
             "first_iter_s": times[0], "steady_iter_s": statistics.median(steady),
             "steady_breakdown_s": breakdown, "first_breakdown_s": parts[0], "ref_forward_calls": ref_calls,
+            "iter_s": times, "parts": parts,
             "path": "Trainer._rl_batch + Trainer._update", "peak_rss_mib": peak_rss_mib(),
             "losses": losses, "compile_cache": cache_dir}
 
@@ -516,6 +521,9 @@ def _print_tables(res: dict) -> None:
             print(f"{run:<7}{x['setup_s']:>9.2f}{x['first_iter_s']:>9.2f}"
                   f"{x['steady_iter_s']:>10.4f}{x['process_s']:>11.1f}"
                   f"{x['cache_hits']:>6}{x['cache_misses']:>8}{x['files_written']:>9}")
+    if res.get("peer"):
+        from erpo_jax import bench_peer
+        bench_peer.print_table(res["peer"])
     mem = res.get("memory") or []
     if mem:
         print("\nPer-device memory, GiB (params fp32, compute bf16; AdamW moments fp32)")
@@ -533,8 +541,11 @@ def _print_tables(res: dict) -> None:
 
 
 def run_bench(mode: str = "quick", sections=SECTIONS, with_hf: bool = True,
-              skip_medium_rl: bool = False, profile_dir=None, verbose: bool = True) -> dict:
-    """Run the sections of `mode` ('test', 'quick' or 'full'); return the JSON dict."""
+              skip_medium_rl: bool = False, profile_dir=None, verbose: bool = True,
+              peer: dict | None = None) -> dict:
+    """Run the sections of `mode` ('test', 'quick' or 'full'); return the JSON dict.
+    peer: arguments of `bench_peer.compare`; then the rl_iteration section is the
+    side-by-side run against the peer on its configs (instead of the mode's)."""
     from erpo_jax.rollout.bench import bench_sampler
     m = MODES[mode]
     t_start = time.perf_counter()
@@ -561,7 +572,11 @@ def run_bench(mode: str = "quick", sections=SECTIONS, with_hf: bool = True,
         say("sampler ...")
         res["sampler"] = bench_sampler(**m["sampler"], with_hf=with_hf, verbose=False)
         res["sampler"]["peak_rss_mib"] = peak_rss_mib()
-    if "rl_iteration" in sections:
+    if "rl_iteration" in sections and peer is not None:
+        from erpo_jax import bench_peer
+        say("RL iteration vs the peer (fresh processes, interleaved) ...")
+        res["peer"] = bench_peer.compare(**peer, peak_flops=peak["flops_per_s"], say=say)
+    elif "rl_iteration" in sections:
         res["rl_iteration"] = []
         for spec in m["rl"]:
             if skip_medium_rl and spec["name"] == "medium":
@@ -599,8 +614,10 @@ def targets(res: dict) -> dict:
         add("train_mfu", res["mfu"]["mfu"], ">= 0.40", res["mfu"]["mfu"] >= 0.40)
     for x in res.get("rl_iteration") or []:
         if x["name"] == "tiny":
-            add("rl_tiny_steady_s", x["steady_iter_s"], "<= 0.0255", x["steady_iter_s"] <= 0.0255)
             add("rl_tiny_first_s", x["first_iter_s"], "< 3", x["first_iter_s"] < 3.0)
+    for size, x in ((res.get("peer") or {}).get("configs") or {}).items():
+        if "ratio" in x:
+            add(f"rl_{size}_vs_tunix", x["ratio"], "<= 0.5", x["ratio_max"] <= 0.5)
     c = res.get("rl_first_cached")
     if c:  # the same target, on a rerun that finds its programs in the compilation cache
         w = c["warm"]["first_iter_s"]
@@ -656,6 +673,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-medium-rl", action="store_true",
                    help="full mode without the (slow) medium RL iteration")
     p.add_argument("--profile", default=None, help="write a perfetto trace of one MFU update here")
+    p.add_argument("--peer", choices=["tunix"], default=None,
+                   help="rl_iteration side by side with google-tunix on its configs "
+                        "(erpo_jax/bench_peer.py)")
+    p.add_argument("--peer-sizes", nargs="+", choices=["tiny", "small"],
+                   default=["tiny", "small"])
+    p.add_argument("--peer-reps", type=int, default=3, help="interleaved repetitions")
+    p.add_argument("--peer-iters", type=int, default=6, help="RL iterations per process")
     p.add_argument("--gpu", action="store_true", help="accelerator mode (see run_gpu)")
     p.add_argument("--gpu-preset", default="qwen2.5-0.5b")
     p.add_argument("--gpu-rows", type=int, default=16)
@@ -672,8 +696,11 @@ def run(args: argparse.Namespace) -> dict:
                       peak_n=args.gpu_peak_n)
     else:
         mode = args.mode or ("quick" if args.quick else "full")
+        peer = None if args.peer is None else dict(
+            sizes=tuple(args.peer_sizes), reps=args.peer_reps, iters=args.peer_iters)
         res = run_bench(mode, tuple(args.sections), with_hf=not args.no_hf,
-                        skip_medium_rl=args.skip_medium_rl, profile_dir=args.profile)
+                        skip_medium_rl=args.skip_medium_rl, profile_dir=args.profile,
+                        peer=peer)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2, default=str))

@@ -210,6 +210,12 @@ PRESETS = {
     "arith-small": ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=256,
                                num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
                                max_position_embeddings=128),
+    # The shapes of google-tunix's GRPO timing script (../shared/peers/tunix_grpo.py),
+    # for `erpo bench --peer tunix`: Qwen3-style with tied embeddings.
+    "peer-tiny": ModelConfig(tie_word_embeddings=True),
+    "peer-small": ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=1024,
+                              num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                              tie_word_embeddings=True),
     # About 25M parameters: the medium benchmark model.
     "medium-25m": ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
                               num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64),
