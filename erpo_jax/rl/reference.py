@@ -7,7 +7,8 @@ reads its slice of this cache. From the same numbers come the per-query
 scores s(x) and the dataset-static weights (`erpo_jax.rl.weights`).
 
 The cache lives on disk under a key made of the reference weights' hash, the
-tokenizer, the prompt template and the dataset (the query token ids), so a run
+tokenizer, the prompt template, the dataset (the query token ids) and the
+numerics (model config with its dtypes, LM-head chunking, batch layout, mesh), so a run
 with the same key reuses it without running the model and a run whose key
 differs recomputes it: a stale cache is never read.
 """
@@ -33,7 +34,7 @@ from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import weights as weights_lib
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the key includes the numerics (`numerics_id`)
 
 
 @dataclasses.dataclass
@@ -59,9 +60,10 @@ class ReferenceCache:
     def scores(self) -> np.ndarray:
         """float64[Q] s(x) = mean reference log-prob over each query's tokens."""
         counts = np.diff(self.offsets)
-        sums = np.add.reduceat(self.logp.astype(np.float64), self.offsets[:-1]) if len(
-            self.logp) else np.zeros(self.num_queries)
-        sums = np.where(counts > 0, sums, 0.0)
+        # Prefix sums, not np.add.reduceat: reduceat rejects an index equal to
+        # the length, which a one-token (zero-target) last query produces.
+        csum = np.concatenate([[0.0], np.cumsum(self.logp.astype(np.float64))])
+        sums = csum[self.offsets[1:]] - csum[self.offsets[:-1]]
         s = sums / np.maximum(counts, 1)
         if np.any(counts > 0):
             s = np.where(counts > 0, s, s[counts > 0].mean())
@@ -113,11 +115,23 @@ def dataset_digest(queries: Sequence[Sequence[int]]) -> str:
     return h.hexdigest()
 
 
+def numerics_id(cfg: ModelConfig, *, chunk_size: int | None = 512, batch_size: int = 64,
+                pad_id: int = 0, sharding: Sharding | None = None) -> dict:
+    """Everything besides weights, tokenizer, template and data that can change the
+    reference log-probs: the model config (architecture, param/compute dtypes,
+    remat, layer scan), the LM-head chunking, the pass's batch layout (in bf16
+    the rounding depends on it) and the mesh (it changes reduction order)."""
+    mesh = None if sharding is None else {str(k): int(v) for k, v in sharding.mesh.shape.items()}
+    return {"model": dataclasses.asdict(cfg), "chunk_size": chunk_size, "batch_size": batch_size,
+            "pad_id": pad_id, "mesh": mesh}
+
+
 def cache_key(params_hash: str, tokenizer_id: str, template: str,
-              queries: Sequence[Sequence[int]]) -> str:
-    """The key a cached reference pass is valid for."""
+              queries: Sequence[Sequence[int]], numerics: dict | None = None) -> str:
+    """The key a cached reference pass is valid for (numerics: `numerics_id`)."""
     blob = json.dumps({"v": FORMAT_VERSION, "params": params_hash, "tokenizer": tokenizer_id,
-                       "template": template, "data": dataset_digest(queries)}, sort_keys=True)
+                       "template": template, "data": dataset_digest(queries),
+                       "numerics": numerics}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -184,7 +198,9 @@ def load_or_compute(params, cfg: ModelConfig, queries: Sequence[Sequence[int]], 
     run it broadcasts what it read.
     """
     params_hash = params_hash or params_digest(params)
-    key = cache_key(params_hash, tokenizer_id, template, queries)
+    numerics = numerics_id(cfg, **{k: kwargs[k] for k in ("chunk_size", "batch_size", "pad_id",
+                                                          "sharding") if k in kwargs})
+    key = cache_key(params_hash, tokenizer_id, template, queries, numerics)
     path = Path(cache_dir) / f"refpass-{key[:24]}.npz"
     # Process 0 decides and shares what it read: every process must run the
     # same jitted programs, and worker disks need not hold the file.
