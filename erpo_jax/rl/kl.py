@@ -6,7 +6,7 @@ and scored by) the policy:
 
   k1(d) = -d                  unbiased, can be negative (monitoring only on queries)
   k2(d) = d**2 / 2            low variance, biased
-  k3(d) = exp(d) - d - 1      unbiased, always >= 0
+  k3(d) = exp(d) - d - 1      unbiased, always >= 0 (d clipped to +-20 first)
 
 The same estimators serve Policy-KL (response positions, in the loss or
 subtracted from the reward, see `kl_penalized_rewards`) and Query-KL (query
@@ -22,6 +22,11 @@ import jax.numpy as jnp
 
 from erpo_jax.rl.advantages import outcome_to_token_rewards
 
+# |log-ratio| beyond which nothing is exponentiated: k3 clips d here, and the
+# PG ratio clips logp - old_logp here (`loss.py`). exp(20) = 4.85e8 is finite
+# in float32 with room for the sums built on it.
+LOG_RATIO_LIMIT = 20.0
+
 
 def k1(d: jax.Array) -> jax.Array:
     return -d
@@ -32,6 +37,11 @@ def k2(d: jax.Array) -> jax.Array:
 
 
 def k3(d: jax.Array) -> jax.Array:
+    # The log-ratio is clipped to +-LOG_RATIO_LIMIT before exp (as verl does):
+    # exp(d) overflows float32 at d > 88, and a clip *after* exp would then
+    # multiply an infinite derivative by 0 (NaN). Beyond the limit the value
+    # is k3(+-LOG_RATIO_LIMIT) (k3(20) = 4.85e8) and the gradient is 0.
+    d = jnp.clip(d, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     # expm1 keeps the value accurate (and exactly 0 at d == 0) for small |d|.
     return jnp.expm1(d) - d
 
@@ -53,7 +63,9 @@ def kl_from_diff(d: jax.Array, name: str = "k3", clamp: float | None = None) -> 
 
     clamp: if set, the estimate is clipped to [-clamp, clamp] (k3 and k2 are
       never negative, so only the upper bound acts on them). Beyond the clamp
-      the gradient is zero, as with any clip.
+      the gradient is zero, as with any clip. Independently of it, k3 clips
+      its log-ratio to +-LOG_RATIO_LIMIT before exp, so value and gradient
+      stay finite at any drift.
     """
     out = get_estimator(name)(jnp.asarray(d, jnp.float32))
     if clamp is not None:

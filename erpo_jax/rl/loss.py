@@ -32,13 +32,12 @@ import jax.numpy as jnp
 from erpo_jax.model.logprobs import TokenLogprobs, logprobs_from_logits, token_logprobs
 from erpo_jax.rl.batch import RLBatch  # noqa: F401  (re-exported: the loss's input)
 from erpo_jax.rl.kl import ESTIMATORS as KL_ESTIMATORS
-from erpo_jax.rl.kl import kl_estimate
+from erpo_jax.rl.kl import LOG_RATIO_LIMIT, kl_estimate
 from erpo_jax.rl.query_kl import check_loss_estimator, query_kl
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 POLICY_KL_MODES = ("loss", "reward")
 TERMS = ("pg", "policy_kl", "query_kl", "entropy")
-LOG_RATIO_LIMIT = 20.0  # |logp - old_logp| is clipped here before exp, so the ratio cannot overflow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +195,7 @@ def loss_terms(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig):
     adv = adv[:, None] if adv.ndim == 1 else adv
     adv = jnp.where(rm, adv, 0.0)
     log_ratio = jnp.where(rm, logp - f32(batch.old_logp), 0.0)
-    ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))  # cannot overflow
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     pg = jnp.maximum(pg_unclipped, pg_clipped)
