@@ -17,3 +17,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="erpo-jax-xla-cache-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory):
+    """The exported model directory of a tiny SFT run (tests/tiny_runs.py),
+    made once per session and shared by every trainer test."""
+    from erpo_jax import cli
+    from tiny_runs import sft_args
+    out = tmp_path_factory.mktemp("sft")
+    assert cli.main(sft_args(out)) == 0
+    assert (out / "model" / "config.json").is_file()
+    assert (out / "model" / "erpo_tokenizer.json").is_file()
+    return out / "model"

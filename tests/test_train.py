@@ -15,36 +15,21 @@ from erpo_jax import cli
 from erpo_jax.rl.loss import LossConfig
 from erpo_jax.train.config import load_config, validate
 from erpo_jax.train.loop import Trainer, train
-
-TINY = ["model.init=random", "model.preset=tiny", "data.n_train=64", "data.n_test=4",
-        "rollout.group_size=2", "rollout.max_new_tokens=8", "train.batch_size=8",
-        "train.eval_every=0", "train.drift_every=0", "train.progress=false",
-        "train.eval_max_problems=4", "train.drift_queries=4", "optim.lr=1e-3"]
-
-
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sft")
-    rc = cli.main(["sft", *TINY, "train.steps=2", f"train.out_dir={out}"])
-    assert rc == 0
-    assert (out / "model" / "config.json").is_file()
-    assert (out / "model" / "erpo_tokenizer.json").is_file()
-    return out / "model"
-
-
-def _rl(sft_model, out, *extra):
-    return [*TINY, "model.init=sft", f"model.path={sft_model}", f"train.out_dir={out}",
-            f"train.ref_cache_dir={out.parent / 'refcache'}", *extra]
+from tiny_runs import ANSWERING, TINY, rl_args
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"])
 def test_cli_train_each_algorithm_with_erpo(sft_model, tmp_path, algo):
     out = tmp_path / algo
-    rc = cli.main(["train", *_rl(sft_model, out, f"algo.advantage={algo}", "train.steps=2",
-                                 "loss.beta_query=0.1", "algo.weight_scheme=likelihood")])
+    rc = cli.main(["train", *rl_args(sft_model, out, *ANSWERING, f"algo.advantage={algo}",
+                                 "train.steps=2", "loss.beta_query=0.1",
+                                 "algo.weight_scheme=likelihood")])
     assert rc == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:   # the SFT model earns rewards in some samples of a group, not all
+        assert r["zero_var_group_frac"] < 1.0 and 0.0 < r["reward_mean"], r
+        assert r["advantage_abs_mean"] > 1e-3 and abs(r["term_pg"]) > 1e-6, r
     for key in ("reward_mean", "accuracy", "clip_frac", "entropy", "query_kl_k3", "grad_norm",
                 "lr", "time/rollout", "time/update", "tokens_per_sec", "term_query_kl"):
         assert key in rows[-1], key
@@ -67,26 +52,40 @@ def test_cli_eval_of_an_exported_model(sft_model, tmp_path, capsys):
     assert '"average"' in capsys.readouterr().out
 
 
-def _state_arrays(run_dir, step):
+def _checkpoint(run_dir, step):
+    """(state leaves, params leaves, meta) of the checkpoint of `step`, the run's latest."""
+    import orbax.checkpoint as ocp
     from erpo_jax.train.checkpoint import Checkpointer
     ck = Checkpointer(run_dir / "checkpoints")
-    meta_step = ck.latest_step()
-    assert meta_step == step
-    import orbax.checkpoint as ocp
-    restored = ck.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore()))
-    ck.close()
-    return jax.tree_util.tree_leaves(restored["state"])
+    try:
+        assert ck.latest_step() == step
+        restored = ck.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    finally:
+        ck.close()
+    state = restored["state"]
+    params = state["params"] if isinstance(state, dict) else state.params
+    return _leaves(state), _leaves(params), dict(restored["meta"])
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
 def test_sigterm_resume_is_bit_identical(sft_model, tmp_path):
-    common = ["train.steps=6", "loss.beta_query=0.1", "algo.weight_scheme=likelihood",
-              "train.ckpt_every=100", "optim.epochs=2", "optim.num_minibatches=2"]
+    """SIGTERM at step 3 of 6, then the same command: the resumed run starts
+    at step 3 with the data position the checkpoint holds, and ends with the
+    uninterrupted run's state bit for bit; restarting at step 3 from the
+    initial parameters instead ends elsewhere (so the restored state matters)."""
+    from erpo_jax.data.iterator import QueryBatchIterator
+    common = [*ANSWERING, "train.steps=6", "loss.beta_query=0.1",
+              "algo.weight_scheme=likelihood", "train.ckpt_every=100", "optim.epochs=2",
+              "optim.num_minibatches=2"]
     full = tmp_path / "full"
-    assert train(load_config(None, _rl(sft_model, full, *common)))["status"] == "done"
+    assert train(load_config(None, rl_args(sft_model, full, *common)))["status"] == "done"
 
     cut = tmp_path / "cut"
-    cfg = load_config(None, _rl(sft_model, cut, *common))
+    cfg = load_config(None, rl_args(sft_model, cut, *common))
 
     def stop_at_3(step, row):
         if step == 3:
@@ -94,24 +93,57 @@ def test_sigterm_resume_is_bit_identical(sft_model, tmp_path):
 
     assert train(cfg, on_step=stop_at_3) == {"status": "preempted", "step": 3,
                                              "ref_forward_calls": 0}
-    assert train(cfg)["status"] == "done"
+    _, params3, meta = _checkpoint(cut, 3)
+    assert meta["step"] == 3
+    it = QueryBatchIterator(64, cfg.train.batch_size, cfg.train.seed)
+    for _ in range(3):
+        next(it)
+    assert meta["data"] == it.get_state() and meta["data"]["step"] == 3
 
-    a, b = _state_arrays(full, 6), _state_arrays(cut, 6)
+    t = Trainer(cfg)
+    try:
+        assert t.start_step == 3 and t.iterator.step == 3 and int(t.state.step) == 3 * 2 * 2
+        for x, y in zip(_leaves(t.state.params), params3):
+            np.testing.assert_array_equal(x, y)
+        seen = []
+        assert t.run(on_step=lambda step, row: seen.append(step))["status"] == "done"
+    finally:
+        t.close()
+    assert seen == [4, 5, 6]
+
+    a, params_full, _ = _checkpoint(full, 6)
+    b, _, _ = _checkpoint(cut, 6)
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(x, y)
     rows = lambda d: {r["step"]: r for r in map(json.loads, (d / "metrics.jsonl").read_text()
                                                 .splitlines())}
     ra, rb = rows(full), rows(cut)
     assert sorted(rb) == [1, 2, 3, 4, 5, 6]
+    # The PG path moved the weights (a step whose groups all agree has none).
+    assert sum(ra[s]["advantage_abs_mean"] > 0 for s in ra) >= 3, ra
     for s in (4, 5, 6):
         for k, v in ra[s].items():
             if not (k.startswith("time/") or k == "tokens_per_sec"):
                 assert rb[s][k] == v, (s, k)
 
+    # From scratch at the checkpoint's step and data position: the steps and
+    # rollout keys are the same, only the starting state is the initial one.
+    scratch = tmp_path / "scratch"
+    t = Trainer(load_config(None, rl_args(sft_model, scratch, *common)))
+    try:
+        t.start_step = 3
+        t.iterator.set_state(meta["data"])
+        assert t.run()["status"] == "done"
+        c = _leaves(t.state.params)
+    finally:
+        t.close()
+    assert len(c) == len(params_full)
+    assert any(not np.array_equal(x, y) for x, y in zip(params_full, c))
+
 
 def test_reference_model_is_never_run_without_policy_kl(sft_model, tmp_path):
-    cfg = load_config(None, _rl(sft_model, tmp_path / "a", "train.steps=1",
+    cfg = load_config(None, rl_args(sft_model, tmp_path / "a", "train.steps=1",
                                 "loss.beta_query=0.1"))
     t = Trainer(cfg)
     try:
@@ -119,7 +151,7 @@ def test_reference_model_is_never_run_without_policy_kl(sft_model, tmp_path):
         assert t.run()["ref_forward_calls"] == 0
     finally:
         t.close()
-    cfg = load_config(None, _rl(sft_model, tmp_path / "b", "train.steps=1",
+    cfg = load_config(None, rl_args(sft_model, tmp_path / "b", "train.steps=1",
                                 "loss.beta_policy=0.04"))
     assert train(cfg)["ref_forward_calls"] == 1
 
@@ -246,7 +278,7 @@ def test_compile_ahead_covers_the_first_step(sft_model, tmp_path, extra):
     """The rollout, reference forward and update compiled in the background for
     step 0's shapes are what the first step uses: nothing of them is lowered
     or compiled inside the step."""
-    cfg = load_config(None, _rl(sft_model, tmp_path / "run", "train.steps=1", *extra))
+    cfg = load_config(None, rl_args(sft_model, tmp_path / "run", "train.steps=1", *extra))
     t = Trainer(cfg)
     try:
         assert t._compiling is not None
@@ -258,7 +290,7 @@ def test_compile_ahead_covers_the_first_step(sft_model, tmp_path, extra):
     finally:
         t.close()
     # The switch: with compile_ahead off the first step lowers (and compiles) them.
-    cfg = load_config(None, _rl(sft_model, tmp_path / "off", "train.steps=1",
+    cfg = load_config(None, rl_args(sft_model, tmp_path / "off", "train.steps=1",
                                 "train.compile_ahead=false", *extra))
     t = Trainer(cfg)
     try:

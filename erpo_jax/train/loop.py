@@ -325,7 +325,10 @@ class Trainer:
         batch = batch._replace(advantages=np.asarray(adv, np.float32), ref_logp=ref_logp)
         validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss)
         r = rewards.reshape(self.B, G)
+        a_abs = np.abs(batch.advantages)   # per response, or per token (GAE)
         info = {
+            "advantage_abs_mean": float(a_abs.mean() if a_abs.ndim == 1
+                                        else a_abs[batch.response_mask].mean()),
             "reward_mean": float(np.mean(shaped)), "accuracy": float(np.mean(rewards == 1.0)),
             "response_len_mean": float(np.mean(ro.lengths)),
             "response_len_max": float(np.max(ro.lengths)),
