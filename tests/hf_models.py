@@ -19,7 +19,7 @@ def tiny_hf_config(kind: str):
         return tf.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
                               rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 32})
+                                            "original_max_position_embeddings": 64})
     if kind == "qwen3":  # per-head q/k RMSNorm, explicit head_dim
         return tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False,
                               rope_theta=1000000.0)

@@ -21,6 +21,21 @@ def test_grpo_reference_numbers():
     assert a.dtype == np.float32
 
 
+def test_grpo_normalises_each_group_by_its_own_mean_and_std():
+    # Three groups of 4 with different means (0.25, 1, 3) and stds (ddof 1):
+    #   [1, 0, 0, 0]: deviations 0.75, -0.25 x3; var = (0.5625 + 3 * 0.0625) / 3 = 0.25, std 0.5
+    #   [2, 0, 1, 1]: deviations 1, -1, 0, 0;    var = 2 / 3, std = sqrt(2/3) = 0.8164966
+    #   [3, 3, 3, 3]: all equal, advantages exactly 0
+    r = jnp.array([[1.0, 0.0, 0.0, 0.0], [2.0, 0.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
+    want = np.array([[0.75 / 0.5, -0.25 / 0.5, -0.25 / 0.5, -0.25 / 0.5],
+                     [1 / 0.8164966, -1 / 0.8164966, 0.0, 0.0],
+                     [0.0, 0.0, 0.0, 0.0]])
+    a = np.asarray(A.grpo(r, eps=1e-6))
+    np.testing.assert_allclose(a, want, atol=1e-5)
+    assert np.all(a[2] == 0.0)
+    np.testing.assert_array_equal(A.compute_advantages("grpo", r.reshape(-1), group_size=4), a)
+
+
 def test_rloo_reference_numbers():
     a = np.asarray(A.rloo(jnp.array([REWARDS])))[0]
     r = np.array(REWARDS)

@@ -70,6 +70,37 @@ def _greedy_with_cache(params, cfg, toks, mask, n_new):
     return np.stack(out, 1)
 
 
+def test_llama_fixture_has_a_frequency_in_every_rope_band():
+    """The llama3 rule leaves high frequencies alone, divides low ones by
+    `factor` and interpolates the band between: the parity fixture must have
+    a frequency in each, and our inverse frequencies must equal HF's."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hf_models import tiny_hf_config
+    hf = tiny_hf_config("llama")
+    sc = hf.rope_scaling
+    cfg = from_hf_config(hf.to_dict())
+    assert cfg.rope_scaling.kind == "llama3"
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    inv = 1.0 / sc["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv
+    orig = sc["original_max_position_embeddings"]
+    high, low = orig / sc["high_freq_factor"], orig / sc["low_freq_factor"]
+    bands = {"high (unscaled)": wavelen < high, "smoothed": (wavelen >= high) & (wavelen <= low),
+             "low (divided by factor)": wavelen > low}
+    assert all(np.sum(m) >= 1 for m in bands.values()), {k: int(np.sum(m)) for k, m in bands.items()}
+    want = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")[0].double().numpy()
+    np.testing.assert_allclose(np.asarray(M.rope_inv_freq(cfg)), want, rtol=1e-6)
+    for name, m in bands.items():   # each band is transformed as the rule says
+        ratio = want[m] / inv[m]
+        if name.startswith("high"):
+            np.testing.assert_allclose(ratio, 1.0, rtol=1e-6)
+        elif name.startswith("low"):
+            np.testing.assert_allclose(ratio, 1.0 / sc["factor"], rtol=1e-6)
+        else:
+            assert np.all((ratio > 1.0 / sc["factor"] + 1e-3) & (ratio < 1.0 - 1e-3)), ratio
+
+
 def test_greedy_tokens_match_transformers(tiny):
     kind, _, hf_model, cfg, params = tiny
     toks, mask = _left_padded_batch(cfg.vocab_size, seed=1)
