@@ -1,24 +1,23 @@
 """Tests for erpo_jax/data/benchmarks.py and templates.py against the published files."""
 
 import json
-import os
-from pathlib import Path
-
 import pytest
 
 from erpo_jax.data import benchmarks as bm
 from erpo_jax.data.templates import DEFAULT_INSTRUCTION, chat_prompt, format_prompt, plain_prompt
+from benchmark_files import benchmarks_dir, require
 
 
-def _benchmarks_dir() -> Path:
-    env = os.environ.get(bm.BENCHMARKS_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
+ROOT = benchmarks_dir()
 
 
-ROOT = _benchmarks_dir()
-needs_data = pytest.mark.skipif(
-    not ROOT.is_dir(), reason=f"benchmarks not found at {ROOT}; set {bm.BENCHMARKS_DIR_ENV}"
-)
+@pytest.fixture(scope="module")
+def benchmark_root():
+    return require(ROOT)
+
+
+# A test that reads the files: fails in CI when they are missing, else skips.
+needs_data = pytest.mark.usefixtures("benchmark_root")
 
 PUBLISHED_ROWS = {
     "gsm8k": 1319,
@@ -31,8 +30,8 @@ PUBLISHED_ROWS = {
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return bm.load_all_benchmarks(ROOT)
+def loaded(benchmark_root):
+    return bm.load_all_benchmarks(benchmark_root)
 
 
 @needs_data
@@ -165,3 +164,21 @@ def test_templates():
     assert format_prompt(q, "chat", tokenizer=tok, instruction=None, system="S") == (
         f"<|system|>S<|end|><|user|>{q}<|end|><|assistant|>"
     )
+
+
+def test_missing_benchmark_files_fail_in_ci_and_skip_with_a_reason_outside(tmp_path,
+                                                                          monkeypatch):
+    missing = tmp_path / "nowhere" / "gsm8k.jsonl"
+    for env in ({"CI": "1"}, {bm.BENCHMARKS_DIR_ENV: str(tmp_path / "nowhere")}):
+        monkeypatch.delenv("CI", raising=False)
+        monkeypatch.delenv(bm.BENCHMARKS_DIR_ENV, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(pytest.fail.Exception, match=f"benchmark file {missing} not found.*"
+                                                        "expected in"):
+            require(missing)
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv(bm.BENCHMARKS_DIR_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match=f"{missing} not found.*outside CI"):
+        require(missing)
+    assert require(tmp_path) == tmp_path

@@ -15,20 +15,22 @@ from pathlib import Path
 import pytest
 
 from erpo_jax.data import benchmarks as bm
+from benchmark_files import benchmarks_dir, require
 
 
-def _benchmarks_dir() -> Path:
-    env = os.environ.get(bm.BENCHMARKS_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
-
-
-ROOT = _benchmarks_dir()
+ROOT = benchmarks_dir()
 GSM8K_JSONL = ROOT / bm.BENCHMARKS["gsm8k"].path
-needs_data = pytest.mark.skipif(
-    not GSM8K_JSONL.is_file(), reason=f"{GSM8K_JSONL} not found; set {bm.BENCHMARKS_DIR_ENV}"
-)
 
-tfds = pytest.importorskip("tensorflow_datasets")
+
+@pytest.fixture(scope="module")
+def gsm8k_jsonl():
+    return require(GSM8K_JSONL)
+
+
+# A test that reads the published file: fails in CI when it is missing, else skips.
+needs_data = pytest.mark.usefixtures("gsm8k_jsonl")
+
+import tensorflow_datasets as tfds  # noqa: E402  (a dependency of erpo-jax)
 import tensorflow_datasets.text  # noqa: E402,F401  (registers gsm8k)
 from tensorflow_datasets.text.gsm8k import gsm8k as tfds_gsm8k  # noqa: E402
 
@@ -98,9 +100,7 @@ def _prepare(builder_cls, data_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    if not GSM8K_JSONL.is_file():
-        pytest.skip(f"{GSM8K_JSONL} not found; set {bm.BENCHMARKS_DIR_ENV}")
+def prepared(gsm8k_jsonl, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         _block_network(mp)
         return _prepare(_LocalGsm8k, tmp_path_factory.mktemp("tfds"))
