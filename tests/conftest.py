@@ -14,7 +14,9 @@ os.environ.setdefault("ERPO_JAX_COMPILE_CACHE", "off")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="erpo-jax-xla-cache-"))
+# ERPO_JAX_TEST_XLA_CACHE: one cache shared by several sessions (tests/mutations.py).
+jax.config.update("jax_compilation_cache_dir", os.environ.get("ERPO_JAX_TEST_XLA_CACHE")
+                  or tempfile.mkdtemp(prefix="erpo-jax-xla-cache-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -96,26 +96,32 @@ def _expected_batch(s):
     return s.batch._replace(advantages=adv, query_weight=w)
 
 
-def _grad(s, batch, params):
+def _grad(s, batch, params, loss_cfg=None):
+    """(loss, gradient) of `loss_fn`, by jax.grad, at `params` on `batch`."""
     c = s.cfg
-    f = lambda p: loss_fn(p, s.model_cfg, jax.tree_util.tree_map(jnp.asarray, batch), c.loss,
-                          temperature=c.rollout.temperature,
-                          chunk_size=c.model.logprob_chunk)[0]
-    return jax.value_and_grad(f)(params)
+    f = lambda p, b: loss_fn(p, s.model_cfg, b, loss_cfg or c.loss,
+                             temperature=c.rollout.temperature,
+                             chunk_size=c.model.logprob_chunk)[0]
+    return jax.jit(jax.value_and_grad(f))(params, jax.tree_util.tree_map(jnp.asarray, batch))
 
 
-def _sgd_update(s, batch):
+def _sgd_update(s, batch, params=None):
     """(gradient, metrics) of the train step's update built from the run's
     config with plain SGD at lr 1, so the parameter change is the gradient."""
     c = s.cfg
+    params = s.params0 if params is None else params
     upd = step_lib.build_update(s.model_cfg, c.loss, c.algo, optax.sgd(1.0),
                                 micro_batches=c.optim.micro_batches, group_size=s.G,
                                 temperature=c.rollout.temperature,
                                 chunk_size=c.model.logprob_chunk)
-    state = step_lib.init_state(jax.tree_util.tree_map(jnp.asarray, s.params0), optax.sgd(1.0))
+    state = step_lib.init_state(jax.tree_util.tree_map(jnp.asarray, params), optax.sgd(1.0))
     new, m = upd(state, jax.tree_util.tree_map(jnp.asarray, batch), None)
-    g = [p - q for p, q in zip(_leaves(s.params0), _leaves(new.params))]
+    g = [p - q for p, q in zip(_leaves(params), _leaves(new.params))]
     return g, jax.device_get(m)
+
+
+def _max_abs(leaves) -> float:
+    return max(float(np.max(np.abs(x))) for x in leaves)
 
 
 def test_rewards_vary_within_groups_and_become_the_advantages(step0):
@@ -144,7 +150,7 @@ def test_update_gradient_is_jax_grad_of_the_loss_with_the_weights(step0):
     # The train step's gradient (its update with SGD at lr 1), exactly.
     g_step, m = _sgd_update(s, s.batch)
     assert float(m["loss"]) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
-    scale = max(float(np.max(np.abs(x))) for x in g)
+    scale = _max_abs(g)
     for a, b in zip(g_step, g):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * scale)
     # The trainer's own update: AdamW's first step moves every parameter by
@@ -159,6 +165,29 @@ def test_update_gradient_is_jax_grad_of_the_loss_with_the_weights(step0):
         np.testing.assert_allclose(step[big], (gc / (np.abs(gc) + ADAM_EPS))[big], atol=2e-2)
         checked += int(big.sum())
     assert checked > 0.5 * sum(x.size for x in g)
+
+
+def test_update_gradient_carries_the_query_kl_term(step0):
+    """Away from the reference (parameters perturbed by 5% of each leaf's
+    spread) Query-KL has a gradient: the train step's gradient is still
+    jax.grad's, and it differs from the gradient without Query-KL."""
+    import dataclasses
+    s = step0
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map(
+        lambda x: (x + 0.05 * (np.std(x) + 1e-3) * rng.standard_normal(x.shape)).astype(x.dtype),
+        s.params0)
+    want = _expected_batch(s)
+    loss, g = _grad(s, want, params)
+    _, g_no_qkl = _grad(s, want, params, dataclasses.replace(s.cfg.loss, beta_query=0.0))
+    g, g_no_qkl = _leaves(g), _leaves(g_no_qkl)
+    scale = _max_abs(g)
+    assert _max_abs([a - b for a, b in zip(g, g_no_qkl)]) > 0.05 * scale
+    g_step, m = _sgd_update(s, s.batch, params)
+    assert float(m["term_query_kl"]) > 0
+    assert float(m["loss"]) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    for a, b in zip(g_step, g):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * scale)
 
 
 def test_update_raises_the_log_prob_of_the_rewarded_responses(step0):
