@@ -305,14 +305,15 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
     compiles whatever the user's cache holds (see `first_iteration_cached`).
     temperature, top_k, optim (OptimSection fields): as a peer runs them."""
     from erpo_jax.train import loop as loop_lib
-    from erpo_jax.train.config import (DataSection, MeshSection, ModelSection, OptimSection,
-                                       RolloutSection, RunConfig, TrainSection)
+    from erpo_jax.train.config import (AlgoSection, DataSection, MeshSection, ModelSection,
+                                       OptimSection, RolloutSection, RunConfig, TrainSection)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(
             name=f"bench-{name}", model=ModelSection(init="random", preset=preset),
             data=DataSection(n_train=max(64, prompts), n_test=4, max_prompt_len=prompt_len),
             rollout=RolloutSection(group_size=group, max_new_tokens=new_tokens,
                                    temperature=temperature, top_k=top_k),
+            algo=AlgoSection(method="grpo_policy_kl" if beta_policy > 0 else "no_kl"),
             loss=LossConfig(beta_policy=beta_policy),
             optim=OptimSection(micro_batches=micro_batches, **(optim or {})),
             mesh=MeshSection(tuple(mesh)),

@@ -21,6 +21,9 @@ from erpo_jax.train.config import (AlgoSection, DataSection, ModelSection, Optim
                                    RolloutSection, RunConfig, TrainSection)
 
 METHODS = ("grpo+policy_kl", "no_kl", "erpo")
+# Each demo run's `algo.method` (train/methods.py), which the run header and
+# config.json name; the run names above are the report's labels.
+ALGO_METHOD = {"grpo+policy_kl": "grpo_policy_kl", "no_kl": "no_kl", "erpo": "erpo"}
 
 
 def arith_sft_config(out_dir: str = "runs/sft-arith", steps: int = 300) -> RunConfig:
@@ -52,7 +55,7 @@ def arith_rl_config(method: str, sft_model: str, out_dir: str, steps: int = 60,
         model=ModelSection(init="sft", path=sft_model),
         data=DataSection(task="arithmetic", n_train=20000, n_test=100, max_prompt_len=24),
         rollout=RolloutSection(group_size=8, temperature=1.0, max_new_tokens=44),
-        algo=AlgoSection(advantage="grpo", weight_scheme=scheme),
+        algo=AlgoSection(method=ALGO_METHOD[method], advantage="grpo", weight_scheme=scheme),
         loss=loss,
         optim=OptimSection(lr=5e-5, max_grad_norm=1.0),
         train=TrainSection(steps=steps, batch_size=16, seed=seed, out_dir=out_dir,

@@ -54,9 +54,12 @@ from typing import Iterable
 
 from erpo_jax.train.config import (RunConfig, apply_overrides, from_dict, load_experiment,
                                    save_config, validate)
+from erpo_jax.train.methods import resolve_method
 
 # Fields that do not change what a run computes; a difference there is not stale.
-_COSMETIC = {("train", "progress")}
+# Configs are compared after `resolve_method`, so algo.method is only a label
+# there (its coefficients and weight scheme are compared field by field).
+_COSMETIC = {("train", "progress"), ("algo", "method")}
 
 
 def variants(mod: ModuleType, cpu: bool) -> dict[str, RunConfig]:
@@ -122,6 +125,11 @@ def plan(path: str | Path, seeds: Iterable[int], cpu: bool = False,
 
 
 def _jsonable(cfg: RunConfig) -> dict:
+    """The config as config.json holds it: method resolved (what the trainer saves)."""
+    try:
+        cfg = resolve_method(cfg)
+    except ValueError:
+        pass   # validate() reports it with the field's name
     return json.loads(json.dumps(cfg.to_dict(), default=list))
 
 

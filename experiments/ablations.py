@@ -16,10 +16,10 @@ main budget:
 |---|---|
 | erpo | none (the reference point of every comparison) |
 | beta_q<b> | loss.beta_query = b for b in BETA_QUERY (the reference value is `erpo`) |
-| qkl+uniform, qkl+typicality | weight scheme, Query-KL on (qkl+likelihood is `erpo`) |
-| noqkl+<scheme> | weight scheme, Query-KL off (noqkl+uniform is no KL) |
+| qkl+uniform, qkl+typicality | weight scheme, Query-KL on (qkl+likelihood is `erpo`); method custom |
+| noqkl+<scheme> | weight scheme, Query-KL off (noqkl+uniform is method no_kl, the others custom) |
 | qkl_k2 | Query-KL estimator k2 instead of k3 |
-| ppo+erpo, ppo+no_kl | algo.advantage = gae (learned critic) with and without ERPO's terms |
+| ppo+erpo, ppo+no_kl | algo.advantage = gae (learned critic) as method erpo and no_kl |
 | reinforce_pp+erpo, reinforce_pp+no_kl | algo.advantage = reinforce_pp, with and without |
 
 (GRPO with and without ERPO are `erpo` and `noqkl+uniform`.) Runs go to
@@ -50,14 +50,17 @@ def _variants(cpu: bool) -> dict[str, list[str]]:
     """variant name -> overrides of the 'erpo' config."""
     out = {"erpo": []}
     out.update({f"beta_q{b}": [f"loss.beta_query={b}"] for b in BETA_QUERY})
+    # Query-KL without likelihood weights, or weights without Query-KL, is not
+    # ERPO: those variants are algo.method=custom (no Query-KL, uniform: no_kl).
     for s in SCHEMES:
         if s != "likelihood":
-            out[f"qkl+{s}"] = [f"algo.weight_scheme={s}"]
-        out[f"noqkl+{s}"] = [f"algo.weight_scheme={s}", "loss.beta_query=0"]
+            out[f"qkl+{s}"] = ["algo.method=custom", f"algo.weight_scheme={s}"]
+        off = "no_kl" if s == "uniform" else "custom"
+        out[f"noqkl+{s}"] = [f"algo.method={off}", f"algo.weight_scheme={s}", "loss.beta_query=0"]
     out["qkl_k2"] = ["loss.query_kl_estimator=k2"]
     for e, adv in ESTIMATORS.items():
         out[f"{e}+erpo"] = [f"algo.advantage={adv}"]
-        out[f"{e}+no_kl"] = [f"algo.advantage={adv}", "loss.beta_query=0",
+        out[f"{e}+no_kl"] = [f"algo.advantage={adv}", "algo.method=no_kl", "loss.beta_query=0",
                              "algo.weight_scheme=uniform"]
     return out
 

@@ -87,16 +87,17 @@ MODELS = {
 }
 
 
-def regulariser(method: str) -> tuple[LossConfig, str]:
-    """(loss section, weight scheme) of a method, shared with the CPU experiments."""
+def regulariser(method: str) -> tuple[LossConfig, AlgoSection]:
+    """(loss section, algo section: method name and weight scheme) of a method,
+    shared with the CPU experiments."""
     cfg = arith_rl_config(method, sft_model="unused", out_dir="unused")
-    return cfg.loss, cfg.algo.weight_scheme
+    return cfg.loss, cfg.algo
 
 
 def method_config(method: str, model: str = "1.5b", steps: int = 200) -> RunConfig:
     """The real-scale run of `method` on `model` ('1.5b' or '7b')."""
     preset, path, _, mesh, micro = MODELS[model]
-    loss, scheme = regulariser(method)
+    loss, algo = regulariser(method)
     return RunConfig(
         name=f"{model}-{method}",
         model=ModelSection(init="hf", path=path, preset=preset, param_dtype="float32",
@@ -107,7 +108,7 @@ def method_config(method: str, model: str = "1.5b", steps: int = 200) -> RunConf
                          template="chat", max_prompt_len=1024),
         rollout=RolloutSection(group_size=8, temperature=1.0, top_p=1.0, max_new_tokens=3072,
                                max_prompts_per_call=16),
-        algo=AlgoSection(advantage="grpo", weight_scheme=scheme),
+        algo=AlgoSection(method=algo.method, advantage="grpo", weight_scheme=algo.weight_scheme),
         loss=dataclasses.replace(loss, eps_low=0.2, eps_high=0.2, agg_mode="token_mean"),
         optim=OptimSection(lr=1e-6, warmup_steps=0, schedule="constant", max_grad_norm=1.0,
                            epochs=1, num_minibatches=1, micro_batches=micro),

@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from erpo_jax import sweep as sweep_lib
 from erpo_jax.demo import METHODS
+from erpo_jax.train.methods import resolve_method
 from erpo_jax.distributed import abstract_mesh_shape, plan_mesh
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import PRESETS
@@ -84,7 +85,12 @@ def test_variants_change_only_what_the_experiment_says(cpu):
     # Same budget: only the regulariser differs between the three methods.
     for m in METHODS:
         assert _changed(main[m], main["erpo"]) <= {
-            "loss.beta_policy", "loss.beta_query", "algo.weight_scheme"}
+            "loss.beta_policy", "loss.beta_query", "algo.weight_scheme", "algo.method"}
+    # Each run names its method, and its settings are that method's (resolving changes nothing).
+    assert {m: main[m].algo.method for m in METHODS} == {
+        "grpo+policy_kl": "grpo_policy_kl", "no_kl": "no_kl", "erpo": "erpo"}
+    for m in METHODS:
+        assert resolve_method(main[m]) == main[m], m
     assert main["erpo"].loss.beta_query > 0 and main["erpo"].loss.beta_policy == 0
     assert main["erpo"].algo.weight_scheme == "likelihood"
     assert main["grpo+policy_kl"].loss.beta_policy > 0 == main["grpo+policy_kl"].loss.beta_query
@@ -108,18 +114,20 @@ def test_variants_change_only_what_the_experiment_says(cpu):
     assert _changed(abl["erpo"], main["erpo"]) == set()
     expect = {
         "beta_q0.02": {"loss.beta_query": 0.02}, "beta_q0.5": {"loss.beta_query": 0.5},
-        "qkl+uniform": {"algo.weight_scheme": "uniform"},
-        "qkl+typicality": {"algo.weight_scheme": "typicality"},
-        "noqkl+uniform": {"algo.weight_scheme": "uniform", "loss.beta_query": 0.0},
-        "noqkl+likelihood": {"loss.beta_query": 0.0},
-        "noqkl+typicality": {"algo.weight_scheme": "typicality", "loss.beta_query": 0.0},
+        "qkl+uniform": {"algo.method": "custom", "algo.weight_scheme": "uniform"},
+        "qkl+typicality": {"algo.method": "custom", "algo.weight_scheme": "typicality"},
+        "noqkl+uniform": {"algo.method": "no_kl", "algo.weight_scheme": "uniform",
+                          "loss.beta_query": 0.0},
+        "noqkl+likelihood": {"algo.method": "custom", "loss.beta_query": 0.0},
+        "noqkl+typicality": {"algo.method": "custom", "algo.weight_scheme": "typicality",
+                             "loss.beta_query": 0.0},
         "qkl_k2": {"loss.query_kl_estimator": "k2"},
         "ppo+erpo": {"algo.advantage": "gae"},
-        "ppo+no_kl": {"algo.advantage": "gae", "loss.beta_query": 0.0,
+        "ppo+no_kl": {"algo.advantage": "gae", "algo.method": "no_kl", "loss.beta_query": 0.0,
                       "algo.weight_scheme": "uniform"},
         "reinforce_pp+erpo": {"algo.advantage": "reinforce_pp"},
-        "reinforce_pp+no_kl": {"algo.advantage": "reinforce_pp", "loss.beta_query": 0.0,
-                               "algo.weight_scheme": "uniform"},
+        "reinforce_pp+no_kl": {"algo.advantage": "reinforce_pp", "algo.method": "no_kl",
+                               "loss.beta_query": 0.0, "algo.weight_scheme": "uniform"},
     }
     assert set(abl) == set(expect) | {"erpo"}
     for name, fields in expect.items():

@@ -29,7 +29,7 @@ def test_mean_one_and_range(scheme, tau):
 def test_unclipped_is_plain_normalisation_and_order_kept():
     s = _scores()
     z = (s - s.mean()) / s.std()
-    w = W.query_weights(s, "likelihood", tau=2.0)
+    w = W.query_weights(s, "likelihood", tau=2.0, w_min=0.0, w_max=np.inf)
     raw = np.exp(z / 2.0)
     np.testing.assert_allclose(w, raw / raw.mean(), rtol=1e-5)
     wc = W.query_weights(s, "likelihood", tau=0.3, w_min=0.2, w_max=3.0)
@@ -41,7 +41,7 @@ def test_likelihood_tau_moves_weights_monotonically():
     s = _scores()
     hi, lo = np.argmax(s), np.argmin(s)
     taus = [0.5, 1.0, 2.0, 4.0, 8.0]
-    ws = [W.query_weights(s, "likelihood", tau=t) for t in taus]
+    ws = [W.query_weights(s, "likelihood", tau=t, w_min=0.0, w_max=np.inf) for t in taus]
     top = [w[hi] for w in ws]
     bottom = [w[lo] for w in ws]
     spread = [w.std() for w in ws]
@@ -52,7 +52,7 @@ def test_likelihood_tau_moves_weights_monotonically():
 
 def test_typicality_favours_the_typical():
     s = np.array([-5.0, -3.0, -3.0, -3.1, -2.9, -1.0])
-    w = W.query_weights(s, "typicality", tau=1.0)
+    w = W.query_weights(s, "typicality", tau=1.0, w_min=0.0, w_max=np.inf)
     assert w[2] > w[0] and w[2] > w[-1]
     assert w[0] == pytest.approx(w[-1], rel=1e-5)  # symmetric in z
 

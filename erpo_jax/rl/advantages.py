@@ -8,7 +8,17 @@ grouped query-major), and return `advantages: float32[B, G]`:
   dr_grpo       r - mean_g r                      (Dr. GRPO: no std division)
   rloo          r - mean of the other G-1 rewards (leave-one-out baseline)
   reinforce     r - mean_g r                      (plain REINFORCE, group-mean baseline)
-  reinforce_pp  REINFORCE++: (r [- mean_g r]) whitened over the whole batch
+  reinforce_pp  REINFORCE++, per-response variant (a deviation, see below):
+                (r [- mean_g r]) whitened over the batch's responses
+
+REINFORCE++ as its paper, OpenRLHF and verl define it is token-level:
+`reinforce_pp_tokens` takes per-token rewards (the outcome at the last
+response token, minus any per-token KL penalty), forms the discounted
+returns-to-go and whitens them over all response tokens of the batch (masked
+mean, unbiased variance). That is the trainer's default
+(`algo.reinforce_pp_whiten='token'`). `reinforce_pp` above counts each
+response once instead of once per token (`algo.reinforce_pp_whiten='response'`):
+longer responses then weigh no more in the mean and variance than short ones.
 
 For every group-baselined estimator a group whose rewards are all equal gets
 advantages that are exactly 0.0 (not merely small), and never NaN.
@@ -109,6 +119,57 @@ def reinforce_pp(rewards, group_size: int | None = None, *, group_baseline: bool
     return c / (std + eps)
 
 
+def masked_whiten(x: jax.Array, mask: jax.Array, *, unbiased: bool = True,
+                  eps: float = 1e-6) -> jax.Array:
+    """(x - mean) / (std + eps) over the entries where `mask` is True; 0 elsewhere.
+
+    unbiased: Bessel's correction in the variance (n - 1). If every masked
+    value is equal the result is exactly 0 there (not ~1e-8 / eps).
+    """
+    m = mask.astype(bool)
+    x = x.astype(jnp.float32)
+    n = jnp.sum(m).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(m, x, 0.0)) / jnp.maximum(n, 1.0)
+    c = jnp.where(m, x - mean, 0.0)
+    flat = jnp.max(jnp.where(m, x, -jnp.inf)) == jnp.min(jnp.where(m, x, jnp.inf))
+    c = jnp.where(flat, 0.0, c)
+    denom = jnp.maximum(n - 1.0, 1.0) if unbiased else jnp.maximum(n, 1.0)
+    std = jnp.sqrt(jnp.sum(c * c) / denom)
+    return jnp.where(m, c / (std + eps), 0.0)
+
+
+def returns_to_go(token_rewards: jax.Array, response_mask: jax.Array,
+                  gamma: float = 1.0) -> jax.Array:
+    """float32[N, T-1]: G_t = r_t + gamma * G_{t+1} over each row's response tokens
+    (0 outside them; the recursion skips masked-out positions)."""
+    m = response_mask.astype(bool)
+    r = jnp.where(m, token_rewards.astype(jnp.float32), 0.0)
+
+    def step(next_g, x):
+        r_t, m_t = x
+        g = r_t + gamma * next_g
+        return jnp.where(m_t, g, next_g), jnp.where(m_t, g, 0.0)
+
+    _, g = jax.lax.scan(step, jnp.zeros(r.shape[0], jnp.float32), (r.T, m.T), reverse=True)
+    return g.T
+
+
+def reinforce_pp_tokens(token_rewards: jax.Array, response_mask: jax.Array, *,
+                        gamma: float = 1.0, eps: float = 1e-6) -> jax.Array:
+    """REINFORCE++ (token-level, as its paper, OpenRLHF and verl): float32[N, T-1].
+
+    token_rewards: float32[N, T-1] (outcome at the last response token, minus
+      any per-token KL penalty) or float32[N] outcome rewards (placed at the
+      last response token). Returns the returns-to-go whitened over all
+      response tokens of the batch (masked mean, unbiased variance), 0
+      outside the mask.
+    """
+    m = response_mask.astype(bool)
+    if token_rewards.ndim == 1:
+        token_rewards = outcome_to_token_rewards(token_rewards, m)
+    return masked_whiten(returns_to_go(token_rewards, m, gamma), m, unbiased=True, eps=eps)
+
+
 def gae(token_rewards: jax.Array, values: jax.Array, response_mask: jax.Array, *,
         gamma: float = 1.0, lam: float = 0.95, whiten: bool = False,
         eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
@@ -150,10 +211,7 @@ def gae(token_rewards: jax.Array, values: jax.Array, response_mask: jax.Array, *
     adv = adv.T
     returns = jnp.where(m, adv + v, 0.0)
     if whiten:
-        n = jnp.maximum(jnp.sum(m), 1)
-        mean = jnp.sum(jnp.where(m, adv, 0.0)) / n
-        var = jnp.sum(jnp.where(m, jnp.square(adv - mean), 0.0)) / n
-        adv = jnp.where(m, (adv - mean) / (jnp.sqrt(var) + eps), 0.0)
+        adv = masked_whiten(adv, m, unbiased=False, eps=eps)
     return adv, returns
 
 

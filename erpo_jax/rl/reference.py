@@ -69,8 +69,8 @@ class ReferenceCache:
             s = np.where(counts > 0, s, s[counts > 0].mean())
         return s
 
-    def weights(self, scheme: str = "likelihood", tau: float = 1.0, w_min: float = 0.0,
-                w_max: float = float("inf")) -> np.ndarray:
+    def weights(self, scheme: str = "likelihood", tau: float = 1.0,
+                w_min: float = weights_lib.W_MIN, w_max: float = weights_lib.W_MAX) -> np.ndarray:
         """float32[Q] dataset-static per-query weights (mean 1 over the set)."""
         return weights_lib.query_weights(self.scores(), scheme, tau, w_min, w_max
                                          ).astype(np.float32)

@@ -23,6 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 SCHEMES = ("uniform", "likelihood", "typicality")
+# Default clip of the weights, shared with the run config (`algo.weight_min/max`):
+# no query counts more than 4x or less than 1/4 of the average. Pass
+# w_min=0, w_max=inf for the unclipped formula.
+W_MIN, W_MAX = 0.25, 4.0
 
 
 def query_scores(ref_query_logp, query_mask) -> np.ndarray:
@@ -112,7 +116,7 @@ def clip_to_unit_mean(raw, w_min: float = 0.0, w_max: float = np.inf,
 
 
 def query_weights(scores, scheme: str = "likelihood", tau: float = 1.0,
-                  w_min: float = 0.0, w_max: float = np.inf) -> np.ndarray:
+                  w_min: float = W_MIN, w_max: float = W_MAX) -> np.ndarray:
     """float32[Q] per-query weights over a training set, mean 1, within [w_min, w_max].
 
     scores: float[Q] s(x) for every query of the training set (`query_scores`).

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from erpo_jax.rl.loss import LossConfig
+from erpo_jax.rl.weights import W_MAX, W_MIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,23 +82,34 @@ class RolloutSection:
 
 @dataclasses.dataclass(frozen=True)
 class AlgoSection:
-    """Advantage estimator and the per-query weights.
+    """The method, the advantage estimator and the per-query weights.
 
+    method: 'erpo', 'grpo_policy_kl', 'no_kl' or 'custom' (the default): sets
+      the loss coefficients and the weight scheme (`erpo_jax.train.methods`);
+      the resolved method is printed in the run header and saved in config.json.
     advantage: 'grpo', 'dr_grpo', 'rloo', 'reinforce', 'reinforce_pp' or 'gae'
       (PPO with a learned critic).
-    weight_scheme: 'uniform', 'likelihood' or 'typicality' (method page).
+    weight_scheme: 'uniform', 'likelihood' or 'typicality' (method page); ''
+      means the method's scheme (erpo: likelihood, else uniform).
+    weight_min, weight_max: the clip of the weights, the library's defaults
+      (`weights.W_MIN`, `weights.W_MAX`).
+    reinforce_pp_whiten: 'token' (REINFORCE++ as its paper, OpenRLHF and verl:
+      returns-to-go whitened over all response tokens, unbiased variance) or
+      'response' (a deviation: each response counted once, population std).
     """
 
+    method: str = "custom"
     advantage: str = "grpo"
     adv_eps: float = 1e-6
     gamma: float = 1.0
     lam: float = 0.95
     critic_lr: float = 1e-4
     value_clip: float = 0.2
-    weight_scheme: str = "uniform"
+    weight_scheme: str = ""
     weight_tau: float = 1.0
-    weight_min: float = 0.25
-    weight_max: float = 4.0
+    weight_min: float = W_MIN
+    weight_max: float = W_MAX
+    reinforce_pp_whiten: str = "token"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +182,12 @@ def _fail(field: str, msg: str):
 
 
 def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
-    """Raise ValueError naming the field for anything wrong; returns cfg."""
+    """Raise ValueError naming the field for anything wrong; returns cfg with its
+    method resolved (`methods.resolve_method`): use the returned config."""
     from erpo_jax.rl.advantages import ESTIMATORS
+    from erpo_jax.train.methods import resolve_method
+    cfg = resolve_method(cfg)
+    from erpo_jax.rl.shaping import WHITEN_MODES
     from erpo_jax.rl.weights import SCHEMES
     m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.train
     if m.init not in ("sft", "hf", "random"):
@@ -209,6 +225,9 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     if a.advantage in ("grpo", "rloo", "reinforce") and r.group_size < 2:
         _fail("rollout.group_size", f"is {r.group_size}, but algo.advantage={a.advantage!r} "
               "needs a group of at least 2 responses per query.")
+    if a.reinforce_pp_whiten not in WHITEN_MODES:
+        _fail("algo.reinforce_pp_whiten", f"is {a.reinforce_pp_whiten!r}; choose one of "
+              f"{WHITEN_MODES}.")
     if a.weight_scheme not in SCHEMES:
         _fail("algo.weight_scheme", f"is {a.weight_scheme!r}; choose one of {SCHEMES}.")
     if not (0 <= a.weight_min <= 1 <= a.weight_max):

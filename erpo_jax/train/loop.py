@@ -28,13 +28,14 @@ from erpo_jax.rl import advantages as adv_lib
 from erpo_jax.rl import critic as critic_lib
 from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_batch
-from erpo_jax.rl.kl import kl_penalized_rewards
 from erpo_jax.rl.query_kl import query_kl
+from erpo_jax.rl.shaping import is_token_level, per_response, shaped_advantages
 from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, save_config, validate
 from erpo_jax.train.evaluate import Evaluator, write_eval
+from erpo_jax.train.methods import describe as describe_method
 from erpo_jax.distributed import to_host
 from erpo_jax.train.host import sample
 from erpo_jax.train.metrics import MetricsWriter
@@ -78,13 +79,14 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.compile_cache = compile_cache.configure(cfg.train.compile_cache)
         self.sharding = build_sharding(cfg)
-        self.cfg = validate(cfg, jax.device_count())
+        cfg = self.cfg = validate(cfg, jax.device_count())   # method resolved
         t, a, lc = cfg.train, cfg.algo, cfg.loss
         self.primary = jax.process_index() == 0
         self.run_dir = Path(t.out_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.primary:
             save_config(cfg, self.run_dir / "config.json")
+            print(describe_method(cfg), flush=True)
         self.model_cfg, params, self.tokenizer = load_policy(cfg, self.sharding)
         self.task: Task = load_task(cfg, self.tokenizer)
         self.G, self.B = cfg.rollout.group_size, t.batch_size
@@ -141,9 +143,18 @@ class Trainer:
         drift = [p for group in zip(*self.task.eval_sets.values()) for p in group]
         self.drift_prompts = self.task.prompts(drift[:t.drift_queries])
         self.drift_cache = None   # the held-out queries' reference pass, only if drift is logged
+        self.drift_floor = {}
         if t.drift_every > 0:
             self.drift_cache, _ = ref_lib.load_or_compute(params, self.model_cfg,
                                                           self.drift_prompts, cache_dir, **common)
+            # The drift of the reference itself: what rounding alone reads (in
+            # bf16 the reference pass's batch layout and the drift's differ).
+            # Logged next to every drift value, so bf16 drift can be read.
+            self.drift_floor = {f"{k}_floor": v for k, v in self.drift(params).items()}
+            if self.primary:
+                print(f"[erpo] drift floor (policy = reference, compute dtype "
+                      f"{self.model_cfg.compute_dtype}): " + ", ".join(
+                          f"{k} {v:.3g}" for k, v in self.drift_floor.items()), flush=True)
         # The reference weights stay in memory only if a per-step term needs them.
         need_ref = lc.needs_ref_logp or t.policy_kl_metric
         # Distinct buffers (the policy's are donated to the update): one jitted
@@ -187,38 +198,33 @@ class Trainer:
             sh = None if self.sharding is None else self.sharding.named(logical)
             return jax.ShapeDtypeStruct((rows, *shape), dtype, sharding=sh)
 
-        lc, per_token = self.cfg.loss, adv_lib.needs_critic(self.cfg.algo.advantage)
+        lc, a = self.cfg.loss, self.cfg.algo
+        has_critic = adv_lib.needs_critic(a.advantage)
+        token_adv = is_token_level(a.advantage, a.reinforce_pp_whiten)
         f32, tok = lambda: arg(jnp.float32, T - 1), lambda: arg(jnp.bool_, T - 1)
         batch = RLBatch(
             tokens=arg(jnp.int32, T), attn_mask=arg(jnp.bool_, T), query_mask=tok(),
             response_mask=tok(), old_logp=f32(),
-            advantages=f32() if per_token else arg(jnp.float32),
+            advantages=f32() if token_adv else arg(jnp.float32),
             ref_query_logp=f32(), query_weight=arg(jnp.float32), group_id=arg(jnp.int32),
             ref_logp=f32() if lc.needs_ref_logp else None)
-        critic = step_lib.CriticBatch(f32(), f32()) if per_token else None
+        critic = step_lib.CriticBatch(f32(), f32()) if has_critic else None
         state = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
         return state, batch, critic
 
     def _make_advantages_fn(self):
-        """Jitted (rewards float32[R], old_logp, ref_logp, response_mask) ->
-        (shaped rewards float32[R], outcome advantages float32[R] or None for
-        GAE): the Policy-KL reward shaping (policy_kl_mode 'reward'; the three
-        token arrays are None otherwise) and the outcome estimator, as one
-        program that compiles ahead rather than as a dozen eager ops that
-        would each compile in the first step."""
-        lc, a, B, G = self.cfg.loss, self.cfg.algo, self.B, self.G
-        kw = {"eps": a.adv_eps} if a.advantage in ("grpo", "reinforce_pp") else {}
+        """Jitted `shaping.shaped_advantages` (rewards float32[R], response_mask,
+        old_logp, ref_logp) -> (shaped rewards, advantages or None for GAE): the
+        Policy-KL reward shaping (policy_kl_mode 'reward'; old_logp and ref_logp
+        are None otherwise) and the estimator, as one program that compiles
+        ahead rather than as a dozen eager ops that would each compile in the
+        first step."""
+        lc, a, G = self.cfg.loss, self.cfg.algo, self.G
 
-        def advantages_fn(rewards, old_logp, ref_logp, response_mask):
-            shaped = rewards
-            if old_logp is not None:
-                shaped = kl_penalized_rewards(rewards, old_logp, ref_logp, response_mask,
-                                              lc.beta_policy, lc.policy_kl_estimator, lc.kl_clamp)
-            if adv_lib.needs_critic(a.advantage):
-                return shaped, None
-            return shaped, adv_lib.compute_advantages(a.advantage, shaped.reshape(B, G),
-                                                      **kw).reshape(-1)
+        def advantages_fn(rewards, response_mask, old_logp, ref_logp):
+            return shaped_advantages(rewards, response_mask, old_logp, ref_logp, loss_cfg=lc,
+                                     algo=a, group_size=G)
 
         return jax.jit(advantages_fn, compiler_options=xla_options.for_steps())
 
@@ -259,10 +265,10 @@ class Trainer:
                 last=self.sampler.sampling.max_new_tokens).compile()))
         R, Tm1 = self.B * self.G, batch.old_logp.shape[1]
         logp = jax.ShapeDtypeStruct((R, Tm1), jnp.float32)
-        token = ((logp, logp, jax.ShapeDtypeStruct((R, Tm1), jnp.bool_)) if self._shapes_rewards
-                 else (None, None, None))
+        token = (logp, logp) if self._shapes_rewards else (None, None)
         jobs.append(("advantages", lambda: self.advantages_fn.lower(
-            jax.ShapeDtypeStruct((R,), jnp.float32), *token).compile()))
+            jax.ShapeDtypeStruct((R,), jnp.float32), jax.ShapeDtypeStruct((R, Tm1), jnp.bool_),
+            *token).compile()))
         jobs.append(("update", lambda: self.update.lower(state, batch, critic).compile()))
         return jobs
 
@@ -310,9 +316,8 @@ class Trainer:
         if ref_logp is not None:
             ref_logp = to_host(ref_logp)
         times["time/ref"] += time.perf_counter() - t0
-        token = ((batch.old_logp, ref_logp, batch.response_mask) if self._shapes_rewards
-                 else (None, None, None))
-        shaped, adv = self.advantages_fn(rewards.astype(np.float32), *token)
+        token = (batch.old_logp, ref_logp) if self._shapes_rewards else (None, None)
+        shaped, adv = self.advantages_fn(rewards.astype(np.float32), batch.response_mask, *token)
         critic_batch = None
         if adv_lib.needs_critic(a.advantage):
             vals = to_host(self.values_fn(
@@ -329,7 +334,7 @@ class Trainer:
         info = {
             "advantage_abs_mean": float(a_abs.mean() if a_abs.ndim == 1
                                         else a_abs[batch.response_mask].mean()),
-            "reward_mean": float(np.mean(shaped)), "accuracy": float(np.mean(rewards == 1.0)),
+            "reward_mean": float(np.mean(rewards)), "accuracy": float(np.mean(rewards == 1.0)),
             "response_len_mean": float(np.mean(ro.lengths)),
             "response_len_max": float(np.max(ro.lengths)),
             "truncated_frac": float(np.mean(ro.truncated)),
@@ -337,6 +342,8 @@ class Trainer:
             **{f"reward/{k}": float(np.mean([x == k for x in reasons]))
                for k in sorted(set(reasons))},
         }
+        if self._shapes_rewards:   # the task reward minus the Policy-KL penalty, per response
+            info["reward_shaped_mean"] = float(np.mean(to_host(per_response(shaped))))
         return batch, critic_batch, info, times, ro
 
     def _update(self, batch: RLBatch, critic_batch, step: int) -> dict:
@@ -368,8 +375,9 @@ class Trainer:
         out["nonfinite_skipped_total"] = float(counters["skipped_total"])
         return out
 
-    def drift(self) -> dict:
-        """Query drift: QKL (k3, k1) of the current policy on the held-out query set."""
+    def drift(self, params=None) -> dict:
+        """Query drift: QKL (k3, k1) of `params` (default: the current policy) on the
+        held-out query set."""
         if self.drift_cache is None:
             raise RuntimeError("Trainer.drift needs the held-out queries' reference pass, made "
                                "at construction only when train.drift_every > 0.")
@@ -386,7 +394,8 @@ class Trainer:
         qmask, _ = masks_from_layout(mask, width)
         idx = [min(i, n - 1) for i in range(rows)]
         ref = self.drift_cache.batch_layout(idx, width, width)
-        lp = to_host(self.t1_logp_fn(self.state.params, _put(tokens, self.sharding),
+        params = self.state.params if params is None else params
+        lp = to_host(self.t1_logp_fn(params, _put(tokens, self.sharding),
                                      _put(mask, self.sharding)))
         gid = jnp.asarray(idx, jnp.int32)
         args = (jnp.asarray(lp), jnp.asarray(ref), jnp.asarray(qmask), gid)
@@ -444,7 +453,7 @@ class Trainer:
                 n_tok = float(np.sum(ro.lengths) + ro.prompt_mask.sum())
                 row["tokens_per_sec"] = n_tok / max(time.perf_counter() - t_start, 1e-9)
                 if t.drift_every > 0 and done % t.drift_every == 0:
-                    row.update(self.drift())
+                    row.update({**self.drift(), **self.drift_floor})
                     if t.policy_kl_metric:
                         row.update(self._policy_kl_metric(batch))
                 row = self.writer.write(done, row)
