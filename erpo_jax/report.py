@@ -38,7 +38,11 @@ PLOT_KEYS = ((EVAL_KEY, "held-out accuracy (greedy pass@1, mean of sets)"),
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """A run directory, or a run summary file (`run_summary.py`), as a dict."""
     run_dir = Path(run_dir)
+    if run_dir.suffix == ".json" and run_dir.is_file():
+        from erpo_jax.run_summary import load_summary
+        return load_summary(run_dir)
     cfg_path = run_dir / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.json).")
@@ -56,10 +60,11 @@ def expand_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
         if (p / "config.json").is_file():
             out.append(p)
         else:
-            found = sorted(q.parent for q in p.glob("*/seed*/config.json"))
+            found = (sorted(q.parent for q in p.glob("*/seed*/config.json"))
+                     or sorted(p.glob("*/seed*.json")))   # run summaries
             if not found:
                 raise ValueError(f"{p} is neither a run directory nor holds <variant>/seed<k> "
-                                 "run directories.")
+                                 "run directories or <variant>/seed<k>.json run summaries.")
             out += found
     return out
 
@@ -372,6 +377,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--entropy-floor", type=float, default=0.05)
     p.add_argument("--baseline", default=None,
                    help="method to compare every other method against (effect sizes)")
+    p.add_argument("--write-summaries", default=None, metavar="DIR",
+                   help="also write each run's summary to DIR/<method>/seed<k>.json (small, "
+                   "committable; `erpo report DIR` then makes the same tables)")
     p.set_defaults(func=_run)
 
 
@@ -386,4 +394,8 @@ def _run(args: argparse.Namespace) -> int:
     path = write_report(dirs, args.out, args.title, collapse_drop=args.collapse_drop,
                         entropy_floor=args.entropy_floor, comparisons=comparisons)
     print(path)
+    if args.write_summaries:
+        from erpo_jax.run_summary import write_summaries
+        for p in write_summaries([load_run(d) for d in dirs], args.write_summaries):
+            print(p)
     return 0
