@@ -35,7 +35,10 @@ def _sft(args) -> int:
 def _train(args) -> int:
     from erpo_jax.train.loop import train
     out = train(_load(args))
-    summary = {"status": out["status"], "step": out["step"]}
+    summary = {"status": out["status"], "step": out["step"],
+               "ref_forward_calls": out["ref_forward_calls"]}
+    if out.get("model_dir"):
+        summary["model_dir"] = out["model_dir"]
     if out.get("eval"):
         summary["eval"] = out["eval"]["average"]
     print(json.dumps(summary, indent=2))

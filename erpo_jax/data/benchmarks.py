@@ -168,6 +168,7 @@ def load_jsonl(
     source: str | None = None,
     id_field: str | None = None,
     skip_bad_rows: bool = False,
+    solution: Callable[[dict], str | None] | None = None,
 ) -> LoadResult:
     """Load any JSONL file of problems.
 
@@ -179,7 +180,10 @@ def load_jsonl(
       source: `Problem.source` and id prefix (default: the parent folder name).
       id_field: key for the id (default: 0-based row number).
       skip_bad_rows: False raises `BadRowError` naming file and line on the
-        first bad row; True skips bad rows and counts them.
+        first bad row (bad JSON, a missing field, an unreadable gold, bytes
+        that are not UTF-8); True skips bad rows and counts them.
+      solution: maps a row to `Problem.solution` (a worked solution to
+        train on), or None for no solution; may raise ValueError (a bad row).
     Returns:
       LoadResult(problems, skipped).
     """
@@ -194,8 +198,18 @@ def load_jsonl(
     problems: list[Problem] = []
     skipped = 0
     row_number = 0
-    with path.open("r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if skip_bad_rows:
+                    skipped += 1
+                    continue
+                raise BadRowError(
+                    f"{path}:{line_no}: byte {e.start} is not UTF-8 ({e.reason}); re-encode "
+                    "the file as UTF-8 or load with skip_bad_rows=True"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -209,6 +223,7 @@ def load_jsonl(
                 if not isinstance(question, str) or not question.strip():
                     raise ValueError(f"field {question_field!r} is not a non-empty string")
                 answer = gold(row[answer_field])
+                worked = solution(row) if solution is not None else None
             except ValueError as e:  # json.JSONDecodeError is a ValueError too
                 if skip_bad_rows:
                     skipped += 1
@@ -217,7 +232,7 @@ def load_jsonl(
                     f"{path}:{line_no}: {e}; fix the row or load with skip_bad_rows=True"
                 ) from e
             row_id = row[id_field] if id_field else row_number
-            problems.append(Problem(f"{source}/{row_id}", question, answer, source))
+            problems.append(Problem(f"{source}/{row_id}", question, answer, source, worked))
             row_number += 1
     return LoadResult(problems, skipped)
 

@@ -255,13 +255,58 @@ def load_hf(path: str | os.PathLike, sharding: Sharding | None = None,
     return cfg, params
 
 
+# A directory holds a tokenizer if it has one of these vocabularies (plus,
+# usually, tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+_EXPECTED = ("tokenizer.json (or vocab.json + merges.txt, or tokenizer.model) with "
+             "tokenizer_config.json")
+
+
 def load_tokenizer(path: str | os.PathLike):
-    """transformers.AutoTokenizer from a local directory (no hub access)."""
+    """transformers.AutoTokenizer from a local directory (no hub access).
+
+    Raises CheckpointError naming the directory and the files expected when
+    it holds no tokenizer, an empty one, or one transformers cannot read.
+    """
     from transformers import AutoTokenizer
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"tokenizer directory {path} does not exist.")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    fix = ("save the model's tokenizer there with tokenizer.save_pretrained(dir) or copy its "
+           "tokenizer files from the original checkpoint")
+    present = [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    if not present:
+        raise CheckpointError(f"{path}: no tokenizer files; expected {_EXPECTED}. {fix}.")
+    empty = [f for f in present if (path / f).stat().st_size == 0]
+    if empty:
+        raise CheckpointError(f"{path}: tokenizer file {empty[0]} is empty; expected "
+                              f"{_EXPECTED}. {fix}.")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure is an unreadable tokenizer
+        raise CheckpointError(f"{path}: transformers cannot load the tokenizer "
+                              f"({type(e).__name__}: {str(e)[:200]}); expected {_EXPECTED}. "
+                              f"{fix}.") from e
+    if len(tok) == 0:
+        raise CheckpointError(f"{path}: the tokenizer has an empty vocabulary; expected "
+                              f"{_EXPECTED}. {fix}.")
+    return tok
+
+
+def generation_eos_ids(path: str | os.PathLike) -> tuple[tuple[int, ...], int | None]:
+    """(eos ids, pad id) of a checkpoint's generation_config.json (empty, None
+    when it has none): the ids transformers' `generate` stops at."""
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return (), None
+    try:
+        gen = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e}).") from None
+    eos = gen.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    pad = gen.get("pad_token_id")
+    return tuple(int(e) for e in eos), None if pad is None else int(pad)
 
 
 # ----------------------------------------------------------------------------- writing

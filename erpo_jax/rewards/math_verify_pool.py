@@ -39,7 +39,7 @@ import numpy as np
 
 from erpo_jax.rewards.extract import ExtractConfig, extract_answer
 from erpo_jax.rewards.normalize import normalize_answer
-from erpo_jax.rewards.outcome import CORRECT, ERROR, NO_ANSWER, TIMEOUT, WRONG
+from erpo_jax.rewards.outcome import CORRECT, ERROR, NO_ANSWER, OVER_BUDGET, TIMEOUT, WRONG
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ def _worker_main(conn, soft_timeout_s: float, float_rounding: int, numeric_preci
             gold_parsed = parse_gold(gold)
             if not gold_parsed:
                 result = (ERROR, f"gold answer {gold[:200]!r} could not be parsed")
+            elif answer is None:  # a check of the gold alone (`check_golds`)
+                result = (CORRECT, "")
             else:
                 pred_parsed = _parse(answer)
                 ok = bool(pred_parsed) and verify(
@@ -253,7 +255,7 @@ class MathVerifyPool:
     # -- verification ----------------------------------------------------------
 
     def verify_batch(
-        self, pairs: Sequence[tuple[str | bytes, str]]
+        self, pairs: Sequence[tuple[str | bytes, str]], budget_s: float | None = None
     ) -> tuple[np.ndarray, list[str]]:
         """Score responses against gold answers.
 
@@ -262,6 +264,9 @@ class MathVerifyPool:
             text (str, or bytes decoded as UTF-8 with errors='replace');
             `gold_answer` is the gold final answer (e.g. `Problem.answer`),
             not a worked solution.
+          budget_s: wall-time budget for the whole batch (None or <= 0: no
+            budget). Once spent, the comparisons still running are killed and
+            every one not finished scores 0 with reason ``over_budget``.
         Returns:
           rewards: float32[N], 1.0 for `correct` and 0.0 otherwise.
           reasons: N strings from `outcome.REASONS`.
@@ -285,7 +290,7 @@ class MathVerifyPool:
             key = (normalize_answer(answer), normalize_answer(gold))
             jobs.setdefault(key, []).append(i)
         keys = list(jobs)
-        for key, reason in zip(keys, self._run(keys)):
+        for key, reason in zip(keys, self._run(keys, budget_s)):
             for i in jobs[key]:
                 reasons[i] = reason
         rewards = np.asarray([r == CORRECT for r in reasons], dtype=np.float32).reshape(n)
@@ -296,12 +301,32 @@ class MathVerifyPool:
         rewards, reasons = self.verify_batch([(response, gold)])
         return float(rewards[0]), reasons[0]
 
-    def _run(self, keys: list[tuple[str, str]]) -> list[str]:
-        """Verify every (answer, gold) in `keys` on the workers; one reason each."""
+    def check_golds(self, golds: Sequence[str]) -> list[bool]:
+        """Whether math-verify parses each gold answer (as LaTeX, in the
+        workers, under the per-call time limit; a timeout counts as no)."""
+        unique = list(dict.fromkeys(normalize_answer(g) for g in golds))
+        ok = {g: r == CORRECT for g, r in zip(unique, self._run([(None, g) for g in unique]))}
+        return [ok[normalize_answer(g)] for g in golds]
+
+    def _run(self, keys: list[tuple[str | None, str]], budget_s: float | None = None
+             ) -> list[str]:
+        """Verify every (answer, gold) in `keys` on the workers; one reason each.
+
+        Past `budget_s` seconds the busy workers are replaced and everything
+        unfinished is `OVER_BUDGET`."""
         out: list[str | None] = [None] * len(keys)
         pending = collections.deque(range(len(keys)))
         remaining = len(keys)
+        end = time.monotonic() + budget_s if budget_s and budget_s > 0 else None
         while remaining:
+            if end is not None and time.monotonic() >= end:
+                for i, w in enumerate(self._workers):
+                    if w.state == "busy":
+                        self._replace(i)
+                for t in range(len(keys)):
+                    if out[t] is None:
+                        out[t] = OVER_BUDGET
+                break
             # Hand work to idle workers.
             for i, w in enumerate(self._workers):
                 if w.state != "idle" or not pending:
@@ -316,7 +341,7 @@ class MathVerifyPool:
                 w.state, w.task = "busy", t
                 w.deadline = time.monotonic() + self.timeout_s
             waiting = [w for w in self._workers if w.state in ("busy", "starting")]
-            next_deadline = min(w.deadline for w in waiting)
+            next_deadline = min([w.deadline for w in waiting] + ([end] if end else []))
             ready = wait([w.conn for w in waiting], timeout=max(0.0, next_deadline - time.monotonic()))
             for conn in ready:
                 i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
@@ -344,7 +369,7 @@ class MathVerifyPool:
                     self._startup_deaths = 0
                     continue
                 t, reason, detail = msg
-                if reason == ERROR:
+                if reason == ERROR and keys[t][0] is not None:  # gold checks report themselves
                     log.warning("verification error for %r: %s", keys[t], detail)
                 out[t] = reason
                 remaining -= 1

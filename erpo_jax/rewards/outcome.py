@@ -9,9 +9,11 @@ WRONG = "wrong"
 NO_ANSWER = "no_answer"
 TIMEOUT = "timeout"
 ERROR = "error"
+# Not verified: the batch's time budget ran out first (scored as a timeout, 0).
+OVER_BUDGET = "over_budget"
 
 # Every verifier returns one of these per response.
-REASONS: tuple[str, ...] = (CORRECT, WRONG, NO_ANSWER, TIMEOUT, ERROR)
+REASONS: tuple[str, ...] = (CORRECT, WRONG, NO_ANSWER, TIMEOUT, ERROR, OVER_BUDGET)
 
 
 def count_reasons(reasons: Iterable[str], prefix: str = "reward/") -> dict[str, float]:

@@ -51,6 +51,14 @@ class DataSection:
     task: 'arithmetic' (the embedded task, no download) or 'jsonl' (a math
       training file `train_file` with `question_field`/`answer_field`,
       evaluated on `eval_benchmarks` read from `benchmarks_dir`).
+    answer_format: what `answer_field` holds: 'plain' (the final answer),
+      'gsm8k' (a worked solution ending '#### x') or 'boxed' (a worked
+      solution whose last \boxed{} is the answer); see data/math_jsonl.py.
+    solution_field: a field with worked solutions for `erpo sft` ('' = derive
+      them from a gsm8k/boxed answer field).
+    skip_bad_rows: drop bad rows of the training file (bad JSON or UTF-8, a
+      missing field, a gold math-verify cannot parse) and report how many,
+      instead of refusing the file.
     """
 
     task: str = "arithmetic"
@@ -60,11 +68,30 @@ class DataSection:
     train_file: str = ""
     question_field: str = "question"
     answer_field: str = "answer"
+    answer_format: str = "plain"
+    solution_field: str = ""
+    skip_bad_rows: bool = False
     benchmarks_dir: str = "../shared/data/benchmarks"
     eval_benchmarks: tuple[str, ...] = ()
     template: str = "plain"
     instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
     max_prompt_len: int = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection:
+    """The math-verify pool (data.task='jsonl').
+
+    workers: verifier processes; timeout_s: wall-time limit per comparison
+    (the worker is killed and the response scores 0, reason 'timeout');
+    batch_budget_s: wall-time limit per scored batch, 0 = none: what is left
+    when it runs out scores 0 with reason 'over_budget' (metric
+    reward/over_budget).
+    """
+
+    workers: int = 2
+    timeout_s: float = 5.0
+    batch_budget_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +194,7 @@ class RunConfig:
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     rollout: RolloutSection = RolloutSection()
+    reward: RewardSection = RewardSection()
     algo: AlgoSection = AlgoSection()
     loss: LossConfig = LossConfig()
     optim: OptimSection = OptimSection()
@@ -198,6 +226,15 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
         _fail("data.task", f"is {d.task!r}; use 'arithmetic' or 'jsonl'.")
     if d.task == "jsonl" and not d.train_file:
         _fail("data.train_file", "is empty but data.task='jsonl' needs a training JSONL file.")
+    if d.answer_format not in ("plain", "gsm8k", "boxed"):
+        _fail("data.answer_format", f"is {d.answer_format!r}; use 'plain', 'gsm8k' or 'boxed'.")
+    if cfg.reward.workers < 1:
+        _fail("reward.workers", f"must be >= 1, got {cfg.reward.workers}.")
+    if not cfg.reward.timeout_s > 0:
+        _fail("reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}.")
+    if not cfg.reward.batch_budget_s >= 0:
+        _fail("reward.batch_budget_s", f"must be >= 0 (0 = no budget), got "
+              f"{cfg.reward.batch_budget_s}.")
     if d.template not in ("plain", "chat"):
         _fail("data.template", f"is {d.template!r}; use 'plain' or 'chat'.")
     for name, value, low in [("rollout.group_size", r.group_size, 1),

@@ -140,8 +140,7 @@ class Trainer:
                                                     self.task.train_prompts, cache_dir, **common)
         self.weights = self.ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min,
                                               a.weight_max)
-        drift = [p for group in zip(*self.task.eval_sets.values()) for p in group]
-        self.drift_prompts = self.task.prompts(drift[:t.drift_queries])
+        self.drift_prompts = self.task.prompts(self.task.drift_set[:t.drift_queries])
         self.drift_cache = None   # the held-out queries' reference pass, only if drift is logged
         self.drift_floor = {}
         if t.drift_every > 0:
@@ -486,8 +485,20 @@ class Trainer:
             if old is not None:
                 signal.signal(signal.SIGTERM, old)
             self.writer.close()
+        model_dir = self.export()
         return {"status": "done", "step": t.steps, "eval": last_eval,
-                "ref_forward_calls": self.ref_forward_calls}
+                "ref_forward_calls": self.ref_forward_calls, "model_dir": model_dir}
+
+    def export(self) -> str:
+        """The current policy as a Hugging Face directory `<out_dir>/model`
+        (weights, config.json, tokenizer, generation_config.json)."""
+        from erpo_jax.model.hf import export_hf
+        out = self.run_dir / "model"
+        params = to_host(self.state.params)   # every process joins the gather
+        if self.primary:
+            export_hf(params, self.model_cfg, out)
+            self.tokenizer.save(out)
+        return str(out)
 
     def _save(self, step: int, force: bool = False) -> None:
         self.iterator.step = step

@@ -1,8 +1,9 @@
 """Supervised fine-tuning on (prompt, solution) pairs: the warm start before RL.
 
-Loss: token-mean cross-entropy on the solution tokens only (the prompt is
-context). Same mesh, optimizer, checkpoints and metrics as RL. The result is
-written as a Hugging Face directory (`<out_dir>/model`, plus the tokenizer),
+Loss: token-mean cross-entropy on the solution tokens only (the prompt, chat
+template included, is context). A solution ends with the chat template's turn
+end (Qwen: <|im_end|>) under data.template='chat', else with the EOS. Same
+mesh, optimizer, checkpoints and metrics as RL. The result is written as a Hugging Face directory (`<out_dir>/model`, plus the tokenizer),
 which RL loads with `model.init='sft'` as both policy and reference.
 """
 
@@ -36,8 +37,9 @@ def sft_examples(task, tokenizer) -> tuple[list[list[int]], list[int]]:
     for p, prompt in zip(task.train, task.train_prompts):
         if p.solution is None:
             raise ValueError(f"SFT needs a worked solution, but problem {p.id} has none; "
-                             "SFT runs on the arithmetic task or data with solutions.")
-        seqs.append(prompt + tokenizer.encode_target(p.solution))
+                             "use data.answer_format=gsm8k or boxed (worked-solution answers) "
+                             "or name a field of solutions in data.solution_field.")
+        seqs.append(prompt + task.target(p.solution))
         plens.append(len(prompt))
     return seqs, plens
 

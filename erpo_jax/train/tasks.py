@@ -25,7 +25,12 @@ CHAR_TOKENIZER_FILE = "erpo_tokenizer.json"
 class Tokenizer:
     """The tokenizer surface the trainer uses, over a char or an HF tokenizer."""
 
-    def __init__(self, inner: Any, kind: str):
+    def __init__(self, inner: Any, kind: str, generation_eos: tuple[int, ...] = (),
+                 generation_pad: int | None = None):
+        """generation_eos / generation_pad: the ids of the checkpoint's
+        generation_config.json (HF only). A response stops at the tokenizer's
+        EOS and at every one of them, as transformers' `generate` does (for
+        Qwen chat models: <|im_end|> and <|endoftext|>)."""
         self.inner, self.kind = inner, kind
         if kind == "char":
             self.eos_ids = (inner.eos_id,)
@@ -34,10 +39,16 @@ class Tokenizer:
             self.identity = "char:" + inner.alphabet
         else:
             eos = inner.eos_token_id
-            eos = eos if isinstance(eos, (list, tuple)) else [eos]
-            self.eos_ids = tuple(int(e) for e in eos if e is not None)
-            self.pad_id = int(inner.pad_token_id if inner.pad_token_id is not None
-                              else self.eos_ids[0])
+            eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+            # The tokenizer's own EOS first (what a plain-template target ends with).
+            self.eos_ids = tuple(dict.fromkeys(int(e) for e in [*eos, *generation_eos]
+                                               if e is not None))
+            if not self.eos_ids:
+                raise ValueError("the tokenizer has no eos_token and generation_config.json no "
+                                 "eos_token_id: rollouts would never stop; set eos_token in "
+                                 "tokenizer_config.json.")
+            pad = inner.pad_token_id if inner.pad_token_id is not None else generation_pad
+            self.pad_id = int(pad if pad is not None else self.eos_ids[0])
             self.bos_id = inner.bos_token_id
             self.vocab_size = len(inner)
             blob = json.dumps(inner.get_vocab(), sort_keys=True).encode()
@@ -48,11 +59,26 @@ class Tokenizer:
             return self.inner.encode(text, add_bos=True)
         return list(self.inner(text, add_special_tokens=False)["input_ids"])
 
-    def encode_target(self, text: str) -> list[int]:
-        """Ids of a solution, EOS appended (for SFT)."""
+    def encode_target(self, text: str, end_id: int | None = None) -> list[int]:
+        """Ids of a solution, `end_id` (default: the first EOS) appended (for SFT)."""
         if self.kind == "char":
             return self.inner.encode(text, add_eos=True)
-        return list(self.inner(text, add_special_tokens=False)["input_ids"]) + [self.eos_ids[0]]
+        end = self.eos_ids[0] if end_id is None else end_id
+        return list(self.inner(text, add_special_tokens=False)["input_ids"]) + [end]
+
+    def turn_end_id(self) -> int | None:
+        """The token the chat template closes an assistant turn with (Qwen:
+        <|im_end|>) when it is one of the EOS ids, else None."""
+        if self.kind == "char" or getattr(self.inner, "chat_template", None) is None:
+            return None
+        marker = "\u2063erpo\u2063"
+        text = self.inner.apply_chat_template(
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+            tokenize=False)
+        if not isinstance(text, str) or marker not in text:
+            return None
+        after = self.inner(text.rsplit(marker, 1)[1], add_special_tokens=False)["input_ids"]
+        return int(after[0]) if after and int(after[0]) in self.eos_ids else None
 
     def decode_responses(self, ids: np.ndarray, mask: np.ndarray) -> list[str]:
         """Strings of response ids int[R, N], stopped at the first EOS."""
@@ -72,6 +98,13 @@ class Tokenizer:
                 {"type": "char", "alphabet": self.inner.alphabet}))
         else:
             self.inner.save_pretrained(str(directory))
+            # generate() and our loader read the stop ids from here.
+            gen = directory / "generation_config.json"
+            spec = json.loads(gen.read_text()) if gen.is_file() else {}
+            spec.update(eos_token_id=list(self.eos_ids), pad_token_id=self.pad_id)
+            if self.bos_id is not None:
+                spec["bos_token_id"] = int(self.bos_id)
+            gen.write_text(json.dumps(spec, indent=2, sort_keys=True))
 
 
 def load_tokenizer(directory: str | Path | None) -> Tokenizer:
@@ -85,8 +118,9 @@ def load_tokenizer(directory: str | Path | None) -> Tokenizer:
     if f.is_file():
         spec = json.loads(f.read_text())
         return Tokenizer(CharTokenizer(spec["alphabet"]), "char")
+    from erpo_jax.model.hf import generation_eos_ids
     from erpo_jax.model.hf import load_tokenizer as load_hf_tokenizer
-    return Tokenizer(load_hf_tokenizer(directory), "hf")
+    return Tokenizer(load_hf_tokenizer(directory), "hf", *generation_eos_ids(directory))
 
 
 @dataclasses.dataclass
@@ -106,6 +140,16 @@ class Task:
         return [self.tokenizer.encode_prompt(self.format(p)) for p in problems]
 
     format: Callable[[Problem], str] = lambda p: p.question
+    # The held-out queries query drift is measured on (train.drift_every).
+    drift_set: list[Problem] = dataclasses.field(default_factory=list)
+    # The id a training target ends with (chat template: its turn end); None: the first EOS.
+    target_end: int | None = None
+    # What loading dropped: {'bad_rows': n, 'unparseable': n, 'first_ids': [...]}.
+    load_report: dict = dataclasses.field(default_factory=dict)
+
+    def target(self, solution: str) -> list[int]:
+        """Token ids of a worked solution as an SFT target, terminator included."""
+        return self.tokenizer.encode_target(solution, self.target_end)
 
 
 def _check_prompt_lengths(prompts: list[list[int]], problems: list[Problem], limit: int,
@@ -125,24 +169,75 @@ def load_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
         task = Task("arithmetic", splits.train, [], dict(splits.test), tokenizer,
                     "arithmetic-v1", lambda texts, golds: arithmetic_rewards(
                         list(zip(texts, golds))))
+        task.drift_set = _interleave(task.eval_sets)
     else:
-        from erpo_jax.data.benchmarks import load_benchmark, load_jsonl
-        from erpo_jax.data.templates import format_prompt
-        from erpo_jax.rewards.math_verify_pool import MathVerifyPool
-        train = load_jsonl(d.train_file, d.question_field, d.answer_field,
-                           source=Path(d.train_file).stem).problems
-        evals = {name: load_benchmark(name, d.benchmarks_dir).problems
-                 for name in d.eval_benchmarks}
-        pool = MathVerifyPool()
-        inner = tokenizer.inner if tokenizer.kind == "hf" else None
-
-        def fmt(p: Problem) -> str:
-            return format_prompt(p.question, d.template, tokenizer=inner,
-                                 instruction=d.instruction)
-
-        task = Task("jsonl", train, [], evals, tokenizer, f"{d.template}:{d.instruction}",
-                    lambda texts, golds: pool.verify_batch(list(zip(texts, golds))),
-                    close=pool.close, format=fmt)
+        task = _load_jsonl_task(cfg, tokenizer)
     task.train_prompts = task.prompts(task.train)
     _check_prompt_lengths(task.train_prompts, task.train, d.max_prompt_len, "training set")
     return task
+
+
+def _interleave(sets: dict[str, list[Problem]]) -> list[Problem]:
+    """One problem of each set in turn (every set is represented in a prefix)."""
+    return [p for group in zip(*sets.values()) for p in group]
+
+
+def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
+    """A math JSONL file under data.answer_format, golds checked by math-verify
+    at load time, rewards from the math-verify pool (config section `reward`)."""
+    from erpo_jax.data.benchmarks import load_benchmark
+    from erpo_jax.data.math_jsonl import drop_unparseable, load_training_file
+    from erpo_jax.data.templates import format_prompt
+    from erpo_jax.rewards.math_verify_pool import MathVerifyPool
+    d, t, rw = cfg.data, cfg.train, cfg.reward
+    loaded = load_training_file(d.train_file, d.question_field, d.answer_field, d.answer_format,
+                                solution_field=d.solution_field, skip_bad_rows=d.skip_bad_rows)
+    evals = {name: load_benchmark(name, d.benchmarks_dir).problems for name in d.eval_benchmarks}
+    pool = MathVerifyPool(num_workers=rw.workers, timeout_s=rw.timeout_s)
+    try:
+        train, report = drop_unparseable(loaded.problems, pool.check_golds(
+            [p.answer for p in loaded.problems]), f"data.train_file {d.train_file}",
+            d.skip_bad_rows)
+        report["bad_rows"] = loaded.skipped
+        if report["bad_rows"] or report["unparseable"]:
+            print(f"{d.train_file}: dropped {report['bad_rows']} bad rows and "
+                  f"{report['unparseable']} golds math-verify cannot parse (first ids: "
+                  f"{report['first_ids']}); {len(train)} problems left (data.skip_bad_rows).",
+                  flush=True)
+        drift = _interleave(evals)
+        if t.drift_every > 0 and not drift:
+            # No evaluation sets: measure drift on training rows held out of training.
+            train, drift = _hold_out(train, t.drift_queries, t.batch_size, d.seed)
+        if not train:
+            raise ValueError(f"config field data.train_file: {d.train_file} has no usable "
+                             "problems.")
+    except BaseException:
+        pool.close()
+        raise
+    inner = tokenizer.inner if tokenizer.kind == "hf" else None
+
+    def fmt(p: Problem) -> str:
+        return format_prompt(p.question, d.template, tokenizer=inner, instruction=d.instruction)
+
+    def reward_fn(texts, golds):
+        return pool.verify_batch(list(zip(texts, golds)), budget_s=rw.batch_budget_s)
+
+    return Task("jsonl", train, [], evals, tokenizer, f"{d.template}:{d.instruction}",
+                reward_fn, close=pool.close, format=fmt, drift_set=drift,
+                target_end=tokenizer.turn_end_id() if d.template == "chat" else None,
+                load_report=report)
+
+
+def _hold_out(train: list[Problem], n: int, batch_size: int, seed: int):
+    """(training rows, n held-out rows), drawn by `seed`; refuses when fewer
+    than one batch of training rows would be left."""
+    if len(train) - n < batch_size:
+        raise ValueError(
+            f"config field train.drift_queries: with no data.eval_benchmarks, query drift is "
+            f"measured on {n} training rows held out of training, but {len(train)} rows "
+            f"leave fewer than train.batch_size={batch_size}; lower train.drift_queries, add "
+            "data.eval_benchmarks, or set train.drift_every=0.")
+    order = np.random.default_rng([seed, 7]).permutation(len(train))
+    held = set(order[:n].tolist())
+    return ([p for i, p in enumerate(train) if i not in held],
+            [train[i] for i in sorted(held)])
