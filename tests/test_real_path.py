@@ -30,11 +30,7 @@ from real_path import build_checkpoint, word_problems, write_jsonl
 BENCH_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "benchmarks"
 RL_STEPS = int(os.environ.get("ERPO_REAL_PATH_RL_STEPS", "6"))
 SFT_STEPS = int(os.environ.get("ERPO_REAL_PATH_SFT_STEPS", "60"))
-METHODS = {
-    "grpo_policy_kl": ["loss.beta_policy=0.04"],
-    "no_kl": [],
-    "erpo": ["loss.beta_query=0.1", "algo.weight_scheme=likelihood"],
-}
+METHODS = ("grpo_policy_kl", "no_kl", "erpo")   # algo.method: beta 0.04 / none / 0.1
 N_PROBLEMS = 256
 
 
@@ -65,14 +61,14 @@ def real_path(tmp_path_factory):
     out["sft_seconds"] = time.perf_counter() - t0
     sft_model = root / "sft" / "model"
     out["sft"] = sft_model
-    for name, extra in METHODS.items():
+    for name in METHODS:
         run = root / name
         t0 = time.perf_counter()
         summary = _cli_json(["train", *_common(root, sft_model), "model.init=sft",
                              f"train.out_dir={run}", f"train.ref_cache_dir={root / 'refcache'}",
                              f"train.steps={RL_STEPS}", "train.batch_size=8",
                              "rollout.group_size=8", "optim.lr=1e-4", "train.drift_every=3",
-                             "train.drift_queries=8", *extra])
+                             "train.drift_queries=8", f"algo.method={name}"])
         wall = time.perf_counter() - t0
         _cli_json(["eval", "--checkpoint", summary["model_dir"], "--out", str(run / "eval"),
                    *_common(root, sft_model), f"data.eval_benchmarks={','.join(BENCHMARKS)}",
