@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PG = "tests/test_pg_path.py"
+PG = "tests/test_pg_path.py::"
+PG_WIRING = PG + "test_rewards_vary_within_groups_and_become_the_advantages"
+PG_SIGN = PG + "test_update_raises_the_log_prob_of_the_rewarded_responses"
+PG_QKL = PG + "test_update_gradient_carries_the_query_kl_term"
+PG_WEIGHTS = PG + "test_pg_term_scales_with_the_query_weights"
 RESUME = "tests/test_train.py::test_sigterm_resume_is_bit_identical"
 
 
@@ -43,11 +47,15 @@ class Mutation:
 MUTATIONS = [
     Mutation("pg_sign", "the trainer negates the advantages", "erpo_jax/train/loop.py",
              "batch = batch._replace(advantages=np.asarray(adv, np.float32)",
-             "batch = batch._replace(advantages=-np.asarray(adv, np.float32)", (PG,)),
+             "batch = batch._replace(advantages=-np.asarray(adv, np.float32)", (PG_SIGN,)),
     Mutation("weights_ignored", "the trainer's batches carry weight 1 for every query",
              "erpo_jax/train/loop.py",
              "query_weight=np.asarray(weights, np.float32)[rows_query]",
-             "query_weight=np.ones(len(rows_query), np.float32)", (PG,)),
+             "query_weight=np.ones(len(rows_query), np.float32)", (PG_WEIGHTS,)),
+    Mutation("weights_uniform_at_start", "the trainer's query weights are all 1",
+             "erpo_jax/train/loop.py",
+             "self.weights = self.ref_cache.weights(",
+             "self.weights = 1 + 0 * self.ref_cache.weights(", (PG_WIRING,)),
     Mutation("resume_from_scratch", "on resume, ignore the checkpoint and retrain from step 0",
              "erpo_jax/train/loop.py", "latest = self.ckpt.latest_step()", "latest = None",
              (RESUME,)),
@@ -64,7 +72,7 @@ MUTATIONS = [
     Mutation("update_drops_query_kl", "the update drops the Query-KL term",
              "erpo_jax/train/train_step.py",
              "loss = sum(shares[k] * terms[k] for k in terms)",
-             "loss = sum(shares[k] * terms[k] for k in terms if k != \"query_kl\")", (PG,)),
+             "loss = sum(shares[k] * terms[k] for k in terms if k != \"query_kl\")", (PG_QKL,)),
     Mutation("micro_batch_equal_shares", "micro-batches weighted equally, not by their share "
              "of each term's normaliser", "erpo_jax/train/train_step.py",
              "shares = {k: cnt[k] / totals[k] for k in cnt}",
@@ -104,8 +112,10 @@ def _run_guards(root: Path, guards, env, timeout: float) -> tuple[str, float, st
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - t0, ""
     tail = (r.stdout + r.stderr).strip().splitlines()
-    return {0: "passed", 5: "no tests"}.get(r.returncode, "failed"), \
-        time.perf_counter() - t0, tail[-1] if tail else ""
+    # pytest: 1 = tests failed; anything else but 0 (interrupted, usage or
+    # internal error, no tests, a signal) says nothing about the mutation.
+    status = {0: "passed", 1: "failed"}.get(r.returncode, f"error (rc {r.returncode})")
+    return status, time.perf_counter() - t0, tail[-1] if tail else ""
 
 
 def main(argv=None) -> int:
