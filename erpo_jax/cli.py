@@ -3,7 +3,7 @@
     erpo sft    --config experiments/sft_arith.py [section.field=value ...]
     erpo train  --config experiments/main_comparison.py loss.beta_query=0.1
     erpo eval   --config FILE [--checkpoint DIR]
-    erpo inspect-grads [--unit] ...
+    erpo inspect-grads --config FILE --checkpoint DIR [--json OUT] [--unit] ...
     erpo sweep  experiments/main_comparison.py --seeds 0,1,2 --cpu
     erpo report runs/main_comparison/*/seed* --out runs/main_comparison/report
     erpo bench  [--quick]
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where to write the results")
     p.set_defaults(func=_eval)
     from erpo_jax import bench, report, sweep
-    from erpo_jax.rl.grad_flow import add_parser as add_inspect
+    from erpo_jax.train.inspect_grads import add_parser as add_inspect
     add_inspect(sub)
     report.add_parser(sub)
     sweep.add_parser(sub)

@@ -25,6 +25,7 @@ import functools
 import itertools
 import json
 import math
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -59,10 +60,14 @@ def _inspect(params, batch: RLBatch, cfg_model: ModelConfig, loss_cfg: LossConfi
         values = [terms[name] for name in TERMS]
         return jnp.stack(values + [sum(values)])
 
-    # One vmapped backward for all terms: [len(ROWS), N, T-1, V] and a stacked param tree.
+    # The terms' logit gradients [len(ROWS), N, T-1, V], then one model backward
+    # per term, stacked. (Not jax.vmap(vjp): batching the attention's custom
+    # backward over the cotangents mixed them, so a term with a zero logit
+    # gradient got a non-zero parameter gradient.)
     values = all_terms(logits)
     g_logits = jax.jacrev(all_terms)(logits)
-    (g_params,) = jax.vmap(vjp)(g_logits)
+    per_term = [vjp(g_logits[i])[0] for i in range(len(ROWS))]
+    g_params = jax.tree.map(lambda *xs: jnp.stack(xs), *per_term)
     qm = batch.query_mask.astype(bool)
     rm = batch.response_mask.astype(bool)
     other = ~(qm | rm)
@@ -76,7 +81,24 @@ def _inspect(params, batch: RLBatch, cfg_model: ModelConfig, loss_cfg: LossConfi
     out = {name: {k: v[i] for k, v in stats.items()} for i, name in enumerate(ROWS)}
     dots = {f"{ROWS[i]}|{ROWS[j]}": gram[i, j]
             for i, j in itertools.combinations(range(len(ROWS)), 2)}
-    return out, dots
+    return out, dots, _by_layer(g_params)
+
+
+def _by_layer(g_params) -> dict:
+    """{group: float32[len(ROWS)]} squared-norm sums per parameter group: each
+    top-level entry ('embed', 'final_norm', 'lm_head', ...) on its own and the
+    stacked `layers` subtree split along its leading [L] axis ('layer_<i>')."""
+    sq = {}
+    for path, g in jax.tree_util.tree_flatten_with_path(g_params)[0]:
+        top = str(getattr(path[0], "key", path[0]))
+        g = jnp.square(g.astype(jnp.float32))
+        if top == "layers":
+            per = jnp.sum(g.reshape(g.shape[0], g.shape[1], -1), axis=-1)   # [ROWS, L]
+            for i in range(g.shape[1]):
+                sq[f"layer_{i}"] = sq.get(f"layer_{i}", 0.0) + per[:, i]
+        else:
+            sq[top] = sq.get(top, 0.0) + jnp.sum(g.reshape(g.shape[0], -1), axis=-1)
+    return sq
 
 
 def inspect_gradients(params, cfg_model: ModelConfig, batch: RLBatch, loss_cfg: LossConfig,
@@ -85,31 +107,59 @@ def inspect_gradients(params, cfg_model: ModelConfig, batch: RLBatch, loss_cfg: 
 
     Returns {"terms": {term: {value, logit_grad_query, logit_grad_response,
     logit_grad_other, param_grad_norm}}, "cosine": {"a|b": cos or nan when a
-    gradient is 0}, "loss_config": {...}} for terms in ROWS. unit=True first
-    replaces the coefficients by 1 (`unit_coefficients`).
+    gradient is 0}, "param_grad_by_layer": {term: {group: norm}} (groups:
+    'embed', 'layer_0'.., 'final_norm', 'lm_head'), "loss_config": {...}} for
+    terms in ROWS. unit=True first replaces the coefficients by 1
+    (`unit_coefficients`).
     """
     if unit:
         loss_cfg = unit_coefficients(loss_cfg, batch.ref_logp is not None)
-    out, dots = _inspect(params, batch, cfg_model, loss_cfg, float(temperature))
+    out, dots, layer_sq = _inspect(params, batch, cfg_model, loss_cfg, float(temperature))
     terms = {k: {m: float(v) for m, v in out[k].items()} for k in ROWS}
     cosine = {}
     for key, dot in dots.items():
         a, b = key.split("|")
         na, nb = terms[a]["param_grad_norm"], terms[b]["param_grad_norm"]
         cosine[key] = float(dot) / (na * nb) if na > 0 and nb > 0 else math.nan
-    return {"terms": terms, "cosine": cosine, "loss_config": dataclasses.asdict(loss_cfg),
-            "temperature": float(temperature)}
+    layers = {name: {g: math.sqrt(float(v[i])) for g, v in layer_sq.items()}
+              for i, name in enumerate(ROWS)}
+    return {"terms": terms, "cosine": cosine, "param_grad_by_layer": layers,
+            "loss_config": dataclasses.asdict(loss_cfg), "temperature": float(temperature)}
+
+
+LEGEND = (
+    "columns: value = the term as it enters the loss (coefficient and sign included); "
+    "|dL/dz| query / response / other = L2 norm of the term's gradient with respect to "
+    "the logits z at query target positions (x2..xm) / response positions (y1..yn) / "
+    "padding; |dL/dtheta| = L2 norm of its gradient with respect to all parameters; "
+    "total = the sum of the terms (the loss). An exact 0 means the term does not reach "
+    "those positions (QKL: response 0; PG, Policy-KL, entropy: query 0).")
 
 
 def format_table(report: dict) -> str:
-    """The report as two fixed-width tables (per-term norms, then pairwise cosines)."""
+    """The report as fixed-width tables: what it ran on (if `report['source']`),
+    per-term norms with a legend, per-layer parameter-gradient norms, and
+    pairwise cosines."""
+    lines = []
+    for key, text in report.get("source", {}).items():
+        lines.append(f"{key + ':':<11}{text}")
+    if lines:
+        lines.append("")
     cols = ("value", "logit_grad_query", "logit_grad_response", "logit_grad_other",
             "param_grad_norm")
     heads = ("value", "|dL/dz| query", "|dL/dz| response", "|dL/dz| other", "|dL/dtheta|")
-    lines = [f"{'term':<10}" + "".join(f"{h:>18}" for h in heads)]
+    lines.append(f"{'term':<10}" + "".join(f"{h:>18}" for h in heads))
     for name, row in report["terms"].items():
         lines.append(f"{name:<10}" + "".join(f"{row[c]:>18.6g}" for c in cols))
+    lines += textwrap.wrap(LEGEND, 100)
     names = list(report["terms"])
+    layers = report.get("param_grad_by_layer")
+    if layers:
+        groups = list(next(iter(layers.values())))
+        lines += ["", "parameter-gradient norm per layer (|dL/dtheta| of each group)",
+                  f"{'group':<12}" + "".join(f"{n:>12}" for n in names)]
+        for g in groups:
+            lines.append(f"{g:<12}" + "".join(f"{layers[n][g]:>12.4g}" for n in names))
     lines += ["", "cosine between parameter gradients ('-' where a gradient is zero)",
               f"{'':<10}" + "".join(f"{n:>11}" for n in names)]
     for a in names:
@@ -121,6 +171,14 @@ def format_table(report: dict) -> str:
             cells.append("-" if zero or c is None or math.isnan(c) else f"{c:.4f}")
         lines.append(f"{a:<10}" + "".join(f"{x:>11}" for x in cells))
     return "\n".join(lines)
+
+
+def write_json(report: dict, path) -> None:
+    """The report as JSON (NaN cosines as null)."""
+    clean = {**report, "cosine": {k: None if math.isnan(v) else v
+                                  for k, v in report["cosine"].items()}}
+    with open(path, "w") as f:
+        json.dump(clean, f, indent=2)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -142,17 +200,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="model shape for the random model")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--queries", type=int, default=2)
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--query-width", type=int, default=8)
-    p.add_argument("--response-width", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--beta-policy", type=float, default=0.05)
-    p.add_argument("--beta-query", type=float, default=0.1)
-    p.add_argument("--entropy-coef", type=float, default=0.01)
-    p.add_argument("--policy-kl-estimator", default="k3", choices=("k1", "k2", "k3"))
-    p.add_argument("--query-kl-estimator", default="k3", choices=("k2", "k3"))
-    p.add_argument("--agg-mode", default="token_mean",
+    p.add_argument("--queries", type=int, default=2, help="queries in the batch")
+    p.add_argument("--group-size", type=int, default=4, help="synthetic batch: responses per query")
+    p.add_argument("--query-width", type=int, default=8, help="synthetic batch")
+    p.add_argument("--response-width", type=int, default=8, help="synthetic batch")
+    p.add_argument("--temperature", type=float, default=1.0, help="synthetic batch")
+    # The synthetic batch's loss (None: the default in SYNTHETIC_LOSS); a run's
+    # loss comes from its config instead.
+    p.add_argument("--beta-policy", type=float, default=None)
+    p.add_argument("--beta-query", type=float, default=None)
+    p.add_argument("--entropy-coef", type=float, default=None)
+    p.add_argument("--policy-kl-estimator", default=None, choices=("k1", "k2", "k3"))
+    p.add_argument("--query-kl-estimator", default=None, choices=("k2", "k3"))
+    p.add_argument("--agg-mode", default=None,
                    choices=("token_mean", "seq_mean_token_mean", "seq_sum_norm"))
     p.add_argument("--seq-sum-norm-const", type=float, default=None)
     p.add_argument("--unit", action="store_true",
@@ -160,8 +220,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
 
 
+SYNTHETIC_LOSS = dict(beta_policy=0.05, beta_query=0.1, entropy_coef=0.01,
+                      policy_kl_estimator="k3", query_kl_estimator="k3", agg_mode="token_mean",
+                      seq_sum_norm_const=None)
+LOSS_FLAGS = tuple(SYNTHETIC_LOSS)
+
+
 def run(args: argparse.Namespace) -> dict:
-    """Build model, batch and config from parsed arguments; print the table; return the report."""
+    """Random or given model, synthetic batch, loss from the flags; print the table;
+    return the report. (A run's real batch: `erpo_jax.train.inspect_grads`.)"""
     from erpo_jax.rl.synthetic import random_params, synthetic_batch
 
     if args.checkpoint is not None:
@@ -173,15 +240,12 @@ def run(args: argparse.Namespace) -> dict:
     else:
         cfg_model = PRESETS[args.preset]
         params = random_params(cfg_model, args.seed)
-    norm_const = args.seq_sum_norm_const
-    if args.agg_mode == "seq_sum_norm" and norm_const is None:
-        norm_const = float(args.response_width)
+    kw = {f: SYNTHETIC_LOSS[f] if getattr(args, f, None) is None else getattr(args, f)
+          for f in LOSS_FLAGS}
+    if kw["agg_mode"] == "seq_sum_norm" and kw["seq_sum_norm_const"] is None:
+        kw["seq_sum_norm_const"] = float(args.response_width)
     try:
-        loss_cfg = LossConfig(beta_policy=args.beta_policy, beta_query=args.beta_query,
-                              entropy_coef=args.entropy_coef,
-                              policy_kl_estimator=args.policy_kl_estimator,
-                              query_kl_estimator=args.query_kl_estimator,
-                              agg_mode=args.agg_mode, seq_sum_norm_const=norm_const)
+        loss_cfg = LossConfig(**kw)
     except ValueError as e:
         raise SystemExit(f"inspect-grads: {e}") from None
     batch = synthetic_batch(params, cfg_model, args.seed, num_queries=args.queries,
@@ -189,12 +253,16 @@ def run(args: argparse.Namespace) -> dict:
                             response_width=args.response_width, temperature=args.temperature,
                             with_ref_logp=loss_cfg.needs_ref_logp or args.unit)
     report = inspect_gradients(params, cfg_model, batch, loss_cfg, args.temperature, args.unit)
+    report["source"] = {
+        "model": args.checkpoint or f"a random '{args.preset}' model (seed {args.seed})",
+        "batch": f"SYNTHETIC: {args.queries} random queries x {args.group_size} random "
+                 "responses; old log-probs = policy + N(0, 0.3) noise; reference = the "
+                 "parameters plus noise (for a run's real batch: --config and --checkpoint)",
+        "loss": ", ".join(f"{k} {v}" for k, v in kw.items()),
+    }
     print(format_table(report))
     if args.json:
-        with open(args.json, "w") as f:
-            clean = {**report, "cosine": {k: None if math.isnan(v) else v
-                                          for k, v in report["cosine"].items()}}
-            json.dump(clean, f, indent=2)
+        write_json(report, args.json)
     return report
 
 
