@@ -211,8 +211,10 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
         "weights": f"{a.weight_scheme}, this batch's queries: "
                    + ", ".join(f"{x:.3f}" for x in w),
         "loss": f"agg {lc.agg_mode}, clip [{1 - lc.eps_low:g}, {1 + lc.eps_high:g}], "
-                f"kl_clamp {lc.kl_clamp}, Policy-KL {lc.policy_kl_estimator} in the "
-                f"{lc.policy_kl_mode}, Query-KL {lc.query_kl_estimator}, temperature "
+                f"kl_clamp {lc.kl_clamp}, "
+                + (f"Policy-KL {lc.policy_kl_estimator} in the {lc.policy_kl_mode}, "
+                   if lc.beta_policy > 0 or unit else "Policy-KL off, ")
+                + f"Query-KL {lc.query_kl_estimator}, temperature "
                 f"{r.temperature} (Query-KL at 1)",
     }
     return report
