@@ -111,11 +111,12 @@ def _run_guards(root: Path, guards, env, timeout: float) -> tuple[str, float, st
                            timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - t0, ""
-    tail = (r.stdout + r.stderr).strip().splitlines()
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    tail = [x for x in lines if x.startswith(("FAILED", "ERROR"))] or lines[-1:]
     # pytest: 1 = tests failed; anything else but 0 (interrupted, usage or
     # internal error, no tests, a signal) says nothing about the mutation.
     status = {0: "passed", 1: "failed"}.get(r.returncode, f"error (rc {r.returncode})")
-    return status, time.perf_counter() - t0, tail[-1] if tail else ""
+    return status, time.perf_counter() - t0, tail[0][:160] if tail else ""
 
 
 def main(argv=None) -> int:
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
                     f.write_text(text)
                 verdict = {"failed": "killed", "passed": "SURVIVED"}.get(status, status)
                 rows.append((m, verdict, secs, tail))
-            m_, verdict, secs, tail = rows[-1]
+            _, verdict, secs, tail = rows[-1]
             bad += verdict != "killed"
             print(f"{m.name:28s} {verdict:9s} {secs:6.0f} s  {tail}", flush=True)
     finally:
