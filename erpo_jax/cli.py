@@ -11,6 +11,11 @@
 
 Every config field can be overridden with `section.field=value`; invalid
 values fail before anything compiles, with a sentence naming the field.
+
+Exit codes: 0 done; 1 the run failed (one sentence on stderr; set
+ERPO_JAX_TRACEBACK=1 for the traceback); 2 a bad config field; 75 `erpo train`
+was stopped by SIGTERM (preemption) after saving a checkpoint: rerun the same
+command to resume.
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ def _train(args) -> int:
     if out.get("eval"):
         summary["eval"] = out["eval"]["average"]
     print(json.dumps(summary, indent=2))
+    if out["status"] == "preempted":
+        from erpo_jax.train.loop import PREEMPTED_EXIT_CODE
+        return PREEMPTED_EXIT_CODE
     return 0
 
 
 def _eval(args) -> int:
     import dataclasses
-    from pathlib import Path
 
     import jax
 
@@ -55,11 +62,14 @@ def _eval(args) -> int:
     from erpo_jax.train.evaluate import Evaluator, write_eval
     from erpo_jax.train.policy import build_sharding, load_policy
     from erpo_jax.train.tasks import load_task
+    from erpo_jax import rundir
+    from erpo_jax.train.config import validate
     cfg = _load(args)
-    compile_cache.configure(cfg.train.compile_cache)
     if args.checkpoint:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="hf",
                                                                  path=args.checkpoint))
+    validate(cfg)
+    compile_cache.configure(cfg.train.compile_cache)
     sharding = build_sharding(cfg)
     model_cfg, params, tok = load_policy(cfg, sharding)
     task = load_task(cfg, tok)
@@ -68,7 +78,7 @@ def _eval(args) -> int:
             params, jax.random.key(cfg.train.seed), 0)
     finally:
         task.close()
-    out = Path(args.out or cfg.train.out_dir)
+    out = rundir.path(args.out or cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_eval(out, res)
     print(json.dumps({"sets": res["sets"], "average": res["average"]}, indent=2))
@@ -114,16 +124,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple:
+    """What a bad input, bad data or a failing disk raises: reported in one sentence."""
+    from erpo_jax.train.checkpoint import SaveFailed
+    return ValueError, FloatingPointError, OSError, SaveFailed
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
     args = build_parser().parse_args(argv)
     try:
         result = args.func(args)
         return result if isinstance(result, int) else 0
-    except ValueError as e:
-        if "config field" in str(e):
-            print(f"erpo {args.command}: {e}", file=sys.stderr)
-            return 2
-        raise
+    except _user_errors() as e:
+        if os.environ.get("ERPO_JAX_TRACEBACK"):
+            raise
+        config = isinstance(e, ValueError) and str(e).startswith("config field")
+        text = " ".join(str(e).split()) or type(e).__name__
+        if isinstance(e, OSError) and not config:
+            text += ("; files in the run directory are intact up to the last checkpoint: fix "
+                     "the cause and rerun the same command to resume")
+        print(f"erpo {args.command}: {text}", file=sys.stderr, flush=True)
+        return 2 if config else 1
 
 
 if __name__ == "__main__":

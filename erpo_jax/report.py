@@ -22,11 +22,13 @@ interval contains 0 is not resolved by these seeds.
 from __future__ import annotations
 
 import argparse
-import json
+import io
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
+
+from erpo_jax import rundir
 
 import numpy as np
 
@@ -37,27 +39,28 @@ PLOT_KEYS = ((EVAL_KEY, "held-out accuracy (greedy pass@1, mean of sets)"),
              ("entropy", "response entropy"), ("response_len_mean", "response length"))
 
 
-def load_run(run_dir: str | Path) -> dict[str, Any]:
-    """A run directory, or a run summary file (`run_summary.py`), as a dict."""
-    run_dir = Path(run_dir)
-    if run_dir.suffix == ".json" and run_dir.is_file():
+def load_run(run_dir) -> dict[str, Any]:
+    """A run directory (local or gs://) as {'dir', 'name', 'config', 'metrics', 'evals'},
+    or a run summary file (`run_summary.py`); a torn last line (an interrupted
+    write) is skipped with a warning."""
+    if str(run_dir).endswith(".json") and rundir.path(run_dir).is_file():
         from erpo_jax.run_summary import load_summary
         return load_summary(run_dir)
+    run_dir = rundir.path(run_dir)
     cfg_path = run_dir / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise ValueError(f"{run_dir} is not a run directory (no config.json).")
-    cfg = json.loads(cfg_path.read_text())
-    read = lambda f: [json.loads(x) for x in (run_dir / f).read_text().splitlines() if x.strip()] \
-        if (run_dir / f).is_file() else []
+    cfg = rundir.read_json(cfg_path)
     return {"dir": str(run_dir), "name": cfg.get("name", run_dir.name), "config": cfg,
-            "metrics": read("metrics.jsonl"), "evals": read("evals.jsonl")}
+            "metrics": rundir.read_jsonl(run_dir / "metrics.jsonl"),
+            "evals": rundir.read_jsonl(run_dir / "evals.jsonl")}
 
 
-def expand_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+def expand_run_dirs(paths: Sequence) -> list:
     """Run directories; a directory without config.json stands for its `*/seed*` runs."""
     out = []
-    for p in map(Path, paths):
-        if (p / "config.json").is_file():
+    for p in map(rundir.path, paths):
+        if (p / "config.json").exists():
             out.append(p)
         else:
             found = (sorted(q.parent for q in p.glob("*/seed*/config.json"))
@@ -313,7 +316,7 @@ def plot(runs: Sequence[dict], out_dir: str | Path, keys=PLOT_KEYS) -> list[Path
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    out_dir = Path(out_dir)
+    out_dir = rundir.path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     groups = group(runs)
@@ -347,7 +350,9 @@ def plot(runs: Sequence[dict], out_dir: str | Path, keys=PLOT_KEYS) -> list[Path
                 ax.legend(fontsize=7)
             fig.tight_layout()
             path = out_dir / f"{key.replace('/', '_')}.png"
-            fig.savefig(path, dpi=100)
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=100)
+            rundir.write_atomic(path, buf.getvalue())
             paths.append(path)
         plt.close(fig)
     return paths
@@ -357,13 +362,13 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
                  **kw) -> Path:
     """REPORT.md (tables, then the plots) and one PNG per plotted key in `out_dir`."""
     runs = [load_run(d) for d in run_dirs]
-    out_dir = Path(out_dir)
+    out_dir = rundir.path(out_dir)
     pngs = plot(runs, out_dir)
     text = [f"# {title}", "", markdown(runs, **kw), ""]
     text += [f"![{p.stem}]({p.name})" for p in pngs]
     text += ["", "Runs:", ""] + [f"- `{r['dir']}`" for r in runs]
     path = out_dir / "REPORT.md"
-    path.write_text("\n".join(text) + "\n")
+    rundir.write_atomic(path, "\n".join(text) + "\n")
     return path
 
 

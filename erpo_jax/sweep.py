@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -52,8 +50,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterable
 
-from erpo_jax.train.config import (RunConfig, apply_overrides, from_dict, load_experiment,
-                                   save_config, validate)
+from erpo_jax import rundir
+from erpo_jax.train.config import (RunConfig, apply_overrides, config_dict, from_dict,
+                                   load_experiment, save_config, validate)
 from erpo_jax.train.methods import resolve_method
 
 # Fields that do not change what a run computes; a difference there is not stale.
@@ -90,8 +89,8 @@ class Run:
     cfg: RunConfig
 
     @property
-    def dir(self) -> Path:
-        return Path(self.cfg.train.out_dir)
+    def dir(self):
+        return rundir.path(self.cfg.train.out_dir)
 
     @property
     def label(self) -> str:
@@ -130,13 +129,13 @@ def _jsonable(cfg: RunConfig) -> dict:
         cfg = resolve_method(cfg)
     except ValueError:
         pass   # validate() reports it with the field's name
-    return json.loads(json.dumps(cfg.to_dict(), default=list))
+    return config_dict(cfg)
 
 
-def _saved(path: Path) -> dict:
+def _saved(path) -> dict:
     """A saved config.json with fields added since it was written at their defaults,
     so a newer erpo-jax does not call every older run stale."""
-    data = json.loads(path.read_text())
+    data = rundir.read_json(path)
     try:
         return _jsonable(from_dict(RunConfig, data))
     except (TypeError, ValueError):
@@ -155,18 +154,17 @@ def _first_difference(a, b, path=()) -> tuple[str, ...] | None:
     return None if a == b else path
 
 
-def _rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+def _rows(path) -> list[dict]:
+    return rundir.read_jsonl(path)
 
 
-def is_finished(run_dir: str | Path) -> bool:
-    """Final step reached (per its config.json) and, if evaluation is on, its final eval written."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
+def is_finished(run_dir) -> bool:
+    """Final step reached (per its config.json) and, if evaluation is on, its final eval
+    written (local or gs://)."""
+    run_dir = rundir.path(run_dir)
+    if not (run_dir / "config.json").exists():
         return False
-    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = rundir.read_json(run_dir / "config.json")
     steps = cfg["train"]["steps"]
     metrics = _rows(run_dir / "metrics.jsonl")
     if steps > 0 and (not metrics or metrics[-1]["step"] < steps):
@@ -179,11 +177,11 @@ def is_finished(run_dir: str | Path) -> bool:
 def status(run: Run) -> tuple[str, str]:
     """('new' | 'partial' | 'done' | 'stale', detail)."""
     saved = run.dir / "config.json"
-    if not saved.is_file():
+    if not saved.exists():
         return "new", ""
     diff = _first_difference(_saved(saved), _jsonable(run.cfg))
     if diff is not None:
-        old = json.loads(saved.read_text())
+        old = rundir.read_json(saved)
         new = _jsonable(run.cfg)
         for k in diff:
             old, new = (old or {}).get(k), (new or {}).get(k)
@@ -280,9 +278,14 @@ def _log(path: Path, line: str) -> None:
 def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
               dry_run: bool = False, restart_stale: bool = False) -> dict[str, list[Run]]:
     """Run what is not done; returns {'done', 'ran', 'failed', 'stale': [Run]}."""
-    runs_root = Path(runs_root)
     for r in runs:
         validate(r.cfg)
+    if not dry_run and rundir.is_remote(runs_root):
+        raise ValueError(f"--runs-root {runs_root}: the sweep starts its runs as local processes "
+                         "that log into their run directories, so it runs on a local disk only "
+                         "(--dry-run can check a remote one); on a TPU slice, run `erpo train "
+                         "train.out_dir=gs://...` per run instead.")
+    runs_root = rundir.path(runs_root)
     out = {"done": [], "ran": [], "failed": [], "stale": []}
     todo = []
     exps = sorted({r.experiment for r in runs})
@@ -290,7 +293,7 @@ def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
     for r in runs:
         st, detail = status(r)
         if st == "stale" and restart_stale and not dry_run:
-            shutil.rmtree(r.dir)
+            r.dir.rmtree()
             st = "new"
         if st == "done":
             out["done"].append(r)

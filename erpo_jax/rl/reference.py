@@ -18,16 +18,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
-import os
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import xla_options
+from erpo_jax import rundir, xla_options
 from erpo_jax.distributed import broadcast_from_primary, to_host
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
@@ -201,13 +200,13 @@ def load_or_compute(params, cfg: ModelConfig, queries: Sequence[Sequence[int]], 
     numerics = numerics_id(cfg, **{k: kwargs[k] for k in ("chunk_size", "batch_size", "pad_id",
                                                           "sharding") if k in kwargs})
     key = cache_key(params_hash, tokenizer_id, template, queries, numerics)
-    path = Path(cache_dir) / f"refpass-{key[:24]}.npz"
+    path = rundir.path(cache_dir) / f"refpass-{key[:24]}.npz"
     # Process 0 decides and shares what it read: every process must run the
     # same jitted programs, and worker disks need not hold the file.
     found = np.zeros(1, np.int32)
     logp = offsets = None
-    if jax.process_index() == 0 and path.is_file():
-        with np.load(path, allow_pickle=False) as f:
+    if jax.process_index() == 0 and path.exists():
+        with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as f:
             if str(f["key"]) == key and len(f["offsets"]) == len(queries) + 1:
                 found[0], logp, offsets = 1, f["logp"], f["offsets"]
     if int(broadcast_from_primary(found)[0]):
@@ -219,8 +218,7 @@ def load_or_compute(params, cfg: ModelConfig, queries: Sequence[Sequence[int]], 
         return ReferenceCache(logp, offsets, key), False
     cache = compute_reference(params, cfg, queries, key=key, **kwargs)
     if jax.process_index() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, logp=cache.logp, offsets=cache.offsets, key=np.array(key))
-        os.replace(tmp, path)
+        buf = io.BytesIO()
+        np.savez(buf, logp=cache.logp, offsets=cache.offsets, key=np.array(key))
+        rundir.write_atomic(path, buf.getvalue())
     return cache, True

@@ -10,17 +10,43 @@ like a new one, across any number of hosts).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a lost bucket): one sentence
+    saying what failed, what is intact and how to resume."""
+
+    def __init__(self, directory, step: int, latest: int | None, error: BaseException):
+        cause = _root_cause(error)
+        reason = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
+        intact = (f"the checkpoint of step {latest} is intact, and so are the metrics up to it; "
+                  f"rerunning the same command resumes from step {latest}" if latest is not None
+                  else "no earlier checkpoint exists; rerunning the same command starts at step 0")
+        super().__init__(f"saving the checkpoint of step {step} to {directory} failed ({reason}); "
+                         f"{intact} once the cause (e.g. a full disk) is fixed.")
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The innermost exception of a chain (orbax wraps the OSError several times)."""
+    seen = {id(e)}
+    while True:
+        nxt = e.__cause__ or e.__context__
+        if nxt is None or id(nxt) in seen:
+            return e
+        seen.add(id(nxt))
+        e = nxt
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int = 2, every: int = 1):
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory, keep: int = 2, every: int = 1):
+        directory = epath.Path(directory)
+        self.directory = directory if "://" in str(directory) else directory.absolute()
         self.every = max(int(every), 1)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=False)

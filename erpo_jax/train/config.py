@@ -169,7 +169,11 @@ class TrainSection:
     drift_queries: int = 64
     policy_kl_metric: bool = False  # also log response Policy-KL every drift_every steps
     ckpt_every: int = 20
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # >= 1; the final policy is also exported to <out_dir>/model
+    # Resuming from a checkpoint with a config that differs (outside a few
+    # cosmetic fields) is refused unless this is true; see train/rundir.py.
+    allow_config_change: bool = False
+    tensorboard: bool = True  # TensorBoard events in <out_dir>/tb (local run directories only)
     max_nonfinite: int = 3
     samples_per_eval: int = 4
     progress: bool = True
@@ -209,6 +213,57 @@ def _fail(field: str, msg: str):
     raise ValueError(f"config field {field}: {msg}")
 
 
+# Float fields where inf means "no limit"; every other float must be finite.
+_INF_ALLOWED = {"loss.eps_high", "loss.kl_clamp", "loss.dual_clip", "optim.max_grad_norm"}
+
+
+def _check_numbers(obj, prefix: str = "") -> None:
+    """NaN anywhere, or inf where it is not a "no limit", names its field."""
+    for f in dataclasses.fields(obj):
+        v, name = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(v):
+            _check_numbers(v, name + ".")
+        elif isinstance(v, float) and (math.isnan(v) or (math.isinf(v)
+                                                          and name not in _INF_ALLOWED)):
+            _fail(name, f"must be a finite number, got {v}.")
+
+
+def _validate_ranges(cfg: RunConfig) -> None:
+    """Numeric ranges the optimizer, sampler, evaluator and checkpointer rely on."""
+    r, o, t = cfg.rollout, cfg.optim, cfg.train
+    _check_numbers(cfg)
+    if r.top_k < 0:
+        _fail("rollout.top_k", f"must be >= 0 (0 = no top-k), got {r.top_k}.")
+    if not t.eval_temperature > 0:
+        _fail("train.eval_temperature", f"must be > 0, got {t.eval_temperature}.")
+    for name, v in (("optim.b1", o.b1), ("optim.b2", o.b2)):
+        if not 0 <= v < 1:
+            _fail(name, f"must be in [0, 1), got {v}.")
+    for name, v in (("optim.max_grad_norm", o.max_grad_norm), ("optim.warmup_steps",
+                    o.warmup_steps), ("optim.weight_decay", o.weight_decay),
+                    ("train.eval_every", t.eval_every), ("train.drift_every", t.drift_every)):
+        if not v >= 0:
+            _fail(name, f"must be >= 0, got {v}.")
+    for name, v in (("train.keep_checkpoints", t.keep_checkpoints),
+                    ("train.ckpt_every", t.ckpt_every), ("train.eval_n", t.eval_n)):
+        if v < 1:
+            _fail(name, f"must be >= 1, got {v}.")
+    if t.drift_every > 0 and t.drift_queries < 1:
+        _fail("train.drift_queries", f"must be >= 1 when train.drift_every > 0, got "
+              f"{t.drift_queries}.")
+    if len(cfg.mesh.shape) != 3:
+        _fail("mesh.shape", f"must have 3 entries (data, fsdp, tensor), got {cfg.mesh.shape}.")
+    if any(s == 0 or s < -1 for s in cfg.mesh.shape):
+        _fail("mesh.shape", f"entries must be positive or -1 (the rest), got {cfg.mesh.shape}.")
+    from erpo_jax.rundir import is_remote
+    if is_remote(t.out_dir) and t.tensorboard:
+        _fail("train.tensorboard", f"TensorBoard events are written to local run directories "
+              f"only; set train.tensorboard=false for train.out_dir={t.out_dir}.")
+    if is_remote(cfg.model.path) and cfg.model.init in ("sft", "hf"):
+        _fail("model.path", f"{cfg.model.path}: models are loaded from a local directory "
+              "(memory-mapped safetensors); copy it to a local disk first.")
+
+
 def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     """Raise ValueError naming the field for anything wrong; returns cfg with its
     method resolved (`methods.resolve_method`): use the returned config."""
@@ -218,6 +273,7 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     from erpo_jax.rl.shaping import WHITEN_MODES
     from erpo_jax.rl.weights import SCHEMES
     m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.train
+    _validate_ranges(cfg)
     if m.init not in ("sft", "hf", "random"):
         _fail("model.init", f"is {m.init!r}; use 'sft', 'hf' or 'random'.")
     if m.init in ("sft", "hf") and not m.path:
@@ -286,8 +342,6 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
               "of a mini-batch so every micro-batch holds whole groups.")
     if any(k < 1 or k > t.eval_n for k in t.eval_k):
         _fail("train.eval_k", f"{t.eval_k}: every k must be in [1, train.eval_n={t.eval_n}].")
-    if len(cfg.mesh.shape) != 3:
-        _fail("mesh.shape", f"must have 3 entries (data, fsdp, tensor), got {cfg.mesh.shape}.")
     if num_devices is not None:
         shape = list(cfg.mesh.shape)
         known = math.prod(s for s in shape if s != -1)
@@ -400,8 +454,22 @@ def load_config(path: str | None, overrides: list[str] = (), cpu: bool = False) 
     return apply_overrides(cfg, list(overrides))
 
 
-def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=list))
+def config_dict(cfg: RunConfig) -> dict:
+    """The config as the JSON that config.json holds (tuples as lists)."""
+    return json.loads(json.dumps(cfg.to_dict(), default=list))
+
+
+def normalized(data: dict) -> dict:
+    """A saved config.json with fields added since it was written at their defaults."""
+    try:
+        return config_dict(from_dict(RunConfig, data))
+    except (TypeError, ValueError):
+        return data
+
+
+def save_config(cfg: RunConfig, path) -> None:
+    from erpo_jax.rundir import write_json
+    write_json(path, config_dict(cfg), indent=2, sort_keys=True)
 
 
 def load_any(path: str | None, overrides=(), cpu=False) -> Any:

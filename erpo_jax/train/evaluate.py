@@ -6,9 +6,7 @@ per problem with c correct, averaged over problems.
 
 from __future__ import annotations
 
-import json
 from math import comb
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -17,6 +15,7 @@ import numpy as np
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
+from erpo_jax import rundir
 from erpo_jax.train.config import RunConfig
 from erpo_jax.train.tasks import Task
 
@@ -80,9 +79,20 @@ class Evaluator:
         return {"step": step, "sets": results, "average": average, "samples": samples}
 
 
-def write_eval(run_dir: Path, result: dict) -> None:
-    """Append to evals.jsonl and keep the latest as eval_<step>.json."""
-    run_dir = Path(run_dir)
-    with open(run_dir / "evals.jsonl", "a") as f:
-        f.write(json.dumps({k: v for k, v in result.items() if k != "samples"}) + "\n")
-    (run_dir / f"eval_{result['step']:06d}.json").write_text(json.dumps(result, indent=2))
+def write_eval(run_dir, result: dict) -> None:
+    """Append to evals.jsonl and keep each as eval_<step>.json (local or gs://)."""
+    run_dir = rundir.path(run_dir)
+    rundir.write_json(run_dir / f"eval_{result['step']:06d}.json", result, indent=2)
+    rundir.append_line(run_dir / "evals.jsonl",
+                       {k: v for k, v in result.items() if k != "samples"})
+
+
+def keep_evals(run_dir, keep) -> None:
+    """Drop evals.jsonl rows (and eval_<step>.json files) of steps `keep` rejects:
+    a resumed run rewrites the evaluations it redoes."""
+    run_dir = rundir.path(run_dir)
+    rundir.keep_steps(run_dir / "evals.jsonl", keep)
+    for f in run_dir.glob("eval_*.json"):
+        step = f.stem[len("eval_"):]
+        if step.isdigit() and not keep(int(step)):
+            f.unlink()

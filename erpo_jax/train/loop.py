@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,14 +31,27 @@ from erpo_jax.rl.query_kl import query_kl
 from erpo_jax.rl.shaping import is_token_level, per_response, shaped_advantages
 from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
 from erpo_jax.train import checkpoint as ckpt_lib
+from erpo_jax import rundir
 from erpo_jax.train import train_step as step_lib
-from erpo_jax.train.config import RunConfig, save_config, validate
-from erpo_jax.train.evaluate import Evaluator, write_eval
+from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
+from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.methods import describe as describe_method
 from erpo_jax.distributed import to_host
 from erpo_jax.train.host import sample
 from erpo_jax.train.metrics import MetricsWriter
-from erpo_jax.train.policy import build_sharding, load_policy
+from erpo_jax.train.policy import (MODEL_SUBDIR, build_sharding, check_finite, export_policy,
+                                   load_policy)
+
+# `erpo train` exits with this code when SIGTERM stopped it after saving a
+# checkpoint (EX_TEMPFAIL: rerunning the same command resumes); 0 means done.
+PREEMPTED_EXIT_CODE = 75
+
+
+def resume_command() -> str:
+    """The command line that started this process, as `erpo ...`."""
+    import shlex
+    import sys
+    return shlex.join(["erpo", *sys.argv[1:]])
 from erpo_jax.train.tasks import Task, load_task
 
 
@@ -77,17 +89,34 @@ class Trainer:
     """Owns everything a run needs; `run()` trains to `train.steps` (resuming if it can)."""
 
     def __init__(self, cfg: RunConfig):
+        # A constructor that raises must not leave the compile-ahead thread
+        # running: the interpreter would abort at exit (rc 134) and hide the error.
+        self._compiling, self._ahead_done = None, threading.Event()
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: RunConfig) -> None:
+        validate(cfg)   # before anything is built: a bad field is one sentence, rc 2
         self.compile_cache = compile_cache.configure(cfg.train.compile_cache)
         self.sharding = build_sharding(cfg)
         cfg = self.cfg = validate(cfg, jax.device_count())   # method resolved
         t, a, lc = cfg.train, cfg.algo, cfg.loss
         self.primary = jax.process_index() == 0
-        self.run_dir = Path(t.out_dir)
+        self.run_dir = rundir.path(t.out_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt = ckpt_lib.Checkpointer(self.run_dir / "checkpoints", t.keep_checkpoints,
+                                          t.ckpt_every)
+        latest = self.ckpt.latest_step()
         if self.primary:
-            save_config(cfg, self.run_dir / "config.json")
+            rundir.record_config(self.run_dir, config_dict(cfg), normalized,
+                                 resuming=latest is not None,
+                                 allow_change=t.allow_config_change, start_step=latest or 0)
             print(describe_method(cfg), flush=True)
         self.model_cfg, params, self.tokenizer = load_policy(cfg, self.sharding)
+        check_finite(params, f"the starting policy ({cfg.model.init} {cfg.model.path})")
         self.task: Task = load_task(cfg, self.tokenizer)
         self.G, self.B = cfg.rollout.group_size, t.batch_size
         self.ref_forward_calls = 0
@@ -118,11 +147,7 @@ class Trainer:
         self._shapes_rewards = lc.beta_policy > 0 and lc.policy_kl_mode == "reward"
         self.advantages_fn = self._make_advantages_fn()
         self.iterator = QueryBatchIterator(len(self.task.train), self.B, t.seed)
-        self.ckpt = ckpt_lib.Checkpointer(self.run_dir / "checkpoints", t.keep_checkpoints,
-                                          t.ckpt_every)
-        latest = self.ckpt.latest_step()
         self.start_step = 0 if latest is None else latest
-        self._compiling, self._ahead_done = None, threading.Event()
         self._next_indices = None   # (step, indices) prepared while the last update ran
         if t.compile_ahead and jax.process_count() == 1:
             self._compiling = threading.Thread(target=self._compile_ahead,
@@ -130,7 +155,8 @@ class Trainer:
             self._compiling.start()
 
         # One-time reference pass (the initial policy is the reference).
-        cache_dir = Path(t.ref_cache_dir) if t.ref_cache_dir else self.run_dir.parent / ".refcache"
+        cache_dir = rundir.path(t.ref_cache_dir) if t.ref_cache_dir else \
+            self.run_dir.parent / ".refcache"
         phash = ref_lib.params_digest(params)
         common = dict(tokenizer_id=self.tokenizer.identity, template=self.task.template_id,
                       params_hash=phash, batch_size=t.ref_batch_size,
@@ -167,12 +193,18 @@ class Trainer:
                                      compiler_options=xla_options.for_steps())
         self.evaluator = Evaluator(self.model_cfg, self.task, cfg, self.sharding)
         self.seed_key = jax.random.key(t.seed)
-        self.writer = MetricsWriter(self.run_dir, self.primary)
+        self.writer = MetricsWriter(self.run_dir, self.primary, t.tensorboard)
         if latest is not None:
             self.state, meta = self.ckpt.restore(self.state, latest)
+            check_finite(self.state.params, f"the checkpoint of step {latest} in "
+                         f"{self.ckpt.directory}")
             self.start_step = int(meta["step"])
             self.iterator.set_state(meta["data"])
-            self.writer.truncate_after(self.start_step)
+        if self.primary:   # every per-step file holds what the checkpoint covers, once
+            s0 = self.start_step
+            self.writer.truncate_after(s0)
+            keep_evals(self.run_dir, lambda s: s <= s0 if s0 > 0 else False)
+        self._last_drift = float("nan")
         self.nonfinite_in_a_row = int(self.state.nonfinite)
         self._stop = False
 
@@ -458,10 +490,11 @@ class Trainer:
                 row = self.writer.write(done, row)
                 if on_step is not None:
                     on_step(done, row)
+                self._last_drift = row.get("drift/qkl_k3", self._last_drift)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}",
-                                    drift=f"{row.get('drift/qkl_k3', float('nan')):.4f}")
+                                    drift=f"{self._last_drift:.4f}")
                 if self.nonfinite_in_a_row >= t.max_nonfinite:
                     raise FloatingPointError(
                         f"{self.nonfinite_in_a_row} consecutive updates had a non-finite loss or "
@@ -476,7 +509,7 @@ class Trainer:
         except Preempted:
             if self.primary:
                 print(f"SIGTERM: saved step {self.ckpt.latest_step()} in {self.ckpt.directory}; "
-                      "run the same command again to resume.", flush=True)
+                      f"to resume, run the same command again: {resume_command()}", flush=True)
             return {"status": "preempted", "step": self.ckpt.latest_step(),
                     "ref_forward_calls": self.ref_forward_calls}
         finally:
@@ -491,20 +524,28 @@ class Trainer:
 
     def export(self) -> str:
         """The current policy as a Hugging Face directory `<out_dir>/model`
-        (weights, config.json, tokenizer, generation_config.json)."""
-        from erpo_jax.model.hf import export_hf
-        out = self.run_dir / "model"
+        (weights, config.json, tokenizer, generation_config.json; an HF starting
+        model keeps its own config.json), local or gs://."""
+        out = self.run_dir / MODEL_SUBDIR
         params = to_host(self.state.params)   # every process joins the gather
         if self.primary:
-            export_hf(params, self.model_cfg, out)
-            self.tokenizer.save(out)
+            try:
+                export_policy(params, self.model_cfg, self.tokenizer, self.cfg, out)
+            except OSError as e:
+                raise OSError(e.errno, f"exporting the final policy to {out} failed "
+                              f"({e.strerror or e}); the checkpoint of step {self.cfg.train.steps} "
+                              "holds it, and rerunning the same command exports it again") from e
         return str(out)
 
     def _save(self, step: int, force: bool = False) -> None:
         self.iterator.step = step
         meta = {"step": step, "seed_key": ckpt_lib.key_to_list(self.seed_key),
                 "data": self.iterator.get_state()}
-        self.ckpt.save(step, self.state, meta, force=force)
+        try:
+            self.ckpt.save(step, self.state, meta, force=force)
+        except Exception as e:  # noqa: BLE001 - one sentence instead of orbax's traceback
+            raise ckpt_lib.SaveFailed(self.ckpt.directory, step, self.ckpt.latest_step(), e) \
+                from None
 
     def _evaluate(self, step: int) -> dict:
         res = self.evaluator.evaluate(self.state.params, jax.random.fold_in(self.seed_key, 2),
@@ -514,9 +555,11 @@ class Trainer:
         return res
 
     def close(self) -> None:
+        """Release what was built (also of a half-built Trainer whose constructor raised)."""
         self._wait_for_compile()
-        self.task.close()
-        self.ckpt.close()
+        for part in ("task", "ckpt"):
+            if getattr(self, part, None) is not None:
+                getattr(self, part).close()
 
 
 def _main_thread() -> bool:

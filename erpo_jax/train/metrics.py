@@ -1,17 +1,18 @@
 """Where a run's numbers go: metrics.jsonl, TensorBoard events, a tqdm bar.
 
 Only process 0 writes (`primary=True`); every other process gets a writer
-that does nothing, so multi-host runs produce one set of files.
+that does nothing, so multi-host runs produce one set of files. The file
+goes through `rundir` (local or gs://; torn last lines skipped, rewrites atomic).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+
+from erpo_jax import rundir
 
 
 def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -24,14 +25,14 @@ def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, primary: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir, primary: bool = True, tensorboard: bool = True):
         self.primary = primary
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = rundir.path(run_dir) / "metrics.jsonl"
         self._tb = None
         # The TensorBoard writer is made at the first write: importing
         # tensorboardX imports torch when it is installed (~1 s), which
         # would otherwise delay the first step.
-        self._tb_dir = Path(run_dir) / "tb" if primary and tensorboard else None
+        self._tb_dir = self.path.parent / "tb" if primary and tensorboard else None
         if primary:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -45,8 +46,7 @@ class MetricsWriter:
         row = {"step": int(step), **to_python(metrics)}
         if not self.primary:
             return row
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        rundir.append_line(self.path, row)
         tb = self._tensorboard()
         if tb is not None:
             for k, v in row.items():
@@ -56,19 +56,13 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop rows after `step` (a resumed run rewrites what it redoes)."""
-        if not self.primary or not self.path.is_file():
-            return
-        rows = [line for line in self.path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(r + "\n" for r in rows))
+        if self.primary:
+            rundir.keep_steps(self.path, lambda s: s <= step)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_metrics(run_dir) -> list[dict]:
+    return rundir.read_jsonl(rundir.path(run_dir) / "metrics.jsonl")

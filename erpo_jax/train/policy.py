@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import tempfile
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import PRESETS
-from erpo_jax.model.hf import load_hf
+from erpo_jax.model.hf import export_hf, load_hf
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.train.config import RunConfig
+from erpo_jax import rundir
 from erpo_jax.train.tasks import Tokenizer, load_tokenizer
+
+MODEL_SUBDIR = "model"   # <out_dir>/model: the exported policy of `erpo sft` and `erpo train`
 
 
 def build_sharding(cfg: RunConfig) -> Sharding:
@@ -46,3 +53,43 @@ def check_vocab(model_cfg, tokenizer: Tokenizer) -> None:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary "
                          f"has only {model_cfg.vocab_size}; use a matching checkpoint.")
+
+
+def check_finite(params, what: str) -> None:
+    """Raise ValueError naming the first parameter tensor of `what` that holds
+    NaN or inf (corrupt bytes load fine and only fail steps later)."""
+    leaves = [(jax.tree_util.keystr(k), x) for k, x in
+              jax.tree_util.tree_leaves_with_path(params)
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        return
+    bad = jax.jit(lambda xs: jnp.stack([jnp.sum(~jnp.isfinite(x)) for x in xs]))(
+        [x for _, x in leaves])
+    bad = np.asarray(jax.device_get(bad))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        name, x = leaves[i]
+        raise ValueError(f"{what}: parameter {name} (shape {tuple(x.shape)}) holds {int(bad[i])} "
+                         f"non-finite values ({int((bad > 0).sum())} of {len(leaves)} tensors "
+                         "do); the weights are corrupt: restore or re-export them.")
+
+
+def export_policy(params, model_cfg, tokenizer: Tokenizer, cfg: RunConfig, out_dir):
+    """Write the policy as a Hugging Face directory plus its tokenizer (what
+    `model.init='sft'`/'hf' loads); an HF starting model keeps its own config.json.
+    A remote `out_dir` is written locally first, then copied."""
+    hf_config = None
+    if cfg.model.init == "hf":
+        hf_config = json.loads(rundir.path(cfg.model.path, ).joinpath("config.json").read_text())
+    out = rundir.path(out_dir)
+    if not rundir.is_remote(out):
+        export_hf(params, model_cfg, out, hf_config=hf_config)
+        tokenizer.save(out)
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        local = export_hf(params, model_cfg, tmp, hf_config=hf_config)
+        tokenizer.save(local)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in local.iterdir():
+            rundir.write_atomic(out / f.name, f.read_bytes())
+    return out

@@ -10,7 +10,6 @@ which RL loads with `model.init='sft'` as both policy and reference.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,17 +17,16 @@ import numpy as np
 
 from erpo_jax import compile_cache, xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
-from erpo_jax.model.hf import export_hf
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
-from erpo_jax.train.config import RunConfig, save_config, validate
-from erpo_jax.train.evaluate import Evaluator, write_eval
+from erpo_jax import rundir
+from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
+from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.metrics import MetricsWriter
-from erpo_jax.train.policy import build_sharding, load_policy
+from erpo_jax.train.policy import (MODEL_SUBDIR, build_sharding, check_finite, export_policy,
+                                   load_policy)
 from erpo_jax.train.tasks import load_task
-
-MODEL_SUBDIR = "model"
 
 
 def sft_examples(task, tokenizer) -> tuple[list[list[int]], list[int]]:
@@ -62,6 +60,7 @@ def pack(seqs, plens, idx, width: int, pad_id: int):
 
 def run_sft(cfg: RunConfig) -> dict:
     """Train, evaluate, export. Resumes from `<out_dir>/checkpoints` if present."""
+    validate(cfg)   # before anything is built
     compile_cache.configure(cfg.train.compile_cache)
     sharding = build_sharding(cfg)
     validate(cfg, jax.device_count())
@@ -69,14 +68,19 @@ def run_sft(cfg: RunConfig) -> dict:
     if t.batch_size % sharding.data_size:
         raise ValueError(f"config field train.batch_size: {t.batch_size} SFT sequences per step "
                          f"are not divisible by the data-parallel size {sharding.data_size}.")
-    run_dir = Path(t.out_dir)
+    run_dir = rundir.path(t.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     primary = jax.process_index() == 0
-    if primary:
-        save_config(cfg, run_dir / "config.json")
-    model_cfg, params, tok = load_policy(cfg, sharding)
-    task = load_task(cfg, tok)
+    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, t.ckpt_every)
+    task = None
     try:
+        if primary:
+            latest = ckpt.latest_step()
+            rundir.record_config(run_dir, config_dict(cfg), normalized, start_step=latest or 0,
+                                 resuming=latest is not None, allow_change=t.allow_config_change)
+        model_cfg, params, tok = load_policy(cfg, sharding)
+        check_finite(params, f"the starting model ({cfg.model.init})")
+        task = load_task(cfg, tok)
         seqs, plens = sft_examples(task, tok)
         width = max(8, 1 << (max(len(s) for s in seqs) - 1).bit_length())
         tx, schedule = step_lib.make_optimizer(o, t.steps)
@@ -107,14 +111,13 @@ def run_sft(cfg: RunConfig) -> dict:
 
         update = jax.jit(update.__wrapped__, donate_argnums=(0,),
                          compiler_options=xla_options.for_steps())
-        ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, t.ckpt_every)
         iterator = QueryBatchIterator(len(seqs), t.batch_size, t.seed)
         start = 0
         if ckpt.latest_step() is not None:
             state, meta = ckpt.restore(state)
             start = int(meta["step"])
             iterator.set_state(meta["data"])
-        writer = MetricsWriter(run_dir, primary)
+        writer = MetricsWriter(run_dir, primary, t.tensorboard)
         writer.truncate_after(start)
         put = lambda x: jax.device_put(x, sharding.named(("batch", None)))
         bar = None
@@ -142,13 +145,14 @@ def run_sft(cfg: RunConfig) -> dict:
         if bar is not None:
             bar.close()
         writer.close()
-        ckpt.close()
         result = Evaluator(model_cfg, task, cfg, sharding).evaluate(
             state.params, jax.random.key(t.seed), t.steps)
         if primary:
+            keep_evals(run_dir, lambda s: s < t.steps)   # a rerun evaluates again
             write_eval(run_dir, result)
-            out = export_hf(state.params, model_cfg, run_dir / MODEL_SUBDIR)
-            tok.save(out)
+            export_policy(state.params, model_cfg, tok, cfg, run_dir / MODEL_SUBDIR)
         return {"eval": result, "model_dir": str(run_dir / MODEL_SUBDIR)}
     finally:
-        task.close()
+        if task is not None:
+            task.close()
+        ckpt.close()

@@ -1,0 +1,187 @@
+"""The files of a run directory, on a local disk or on gs:// (through etils.epath).
+
+A run directory holds config.json (plus config_history.jsonl, one line per
+start), metrics.jsonl and evals.jsonl (one JSON row per step), eval_<step>.json,
+the final model and orbax's checkpoints/. Every write here survives an
+interruption at any instant:
+
+- rewrites are atomic: a temp file in the same directory, flushed and fsynced,
+  then renamed over the old one (an object store writes an object whole);
+- an appended row is one write; when that write fails (a full disk) the file is
+  cut back to where it was, and when the process dies mid-write the torn last
+  line is skipped by every reader here, with a warning;
+- on resume, `keep_steps` rewrites a per-step file to the rows the checkpoint
+  covers, so every step appears exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+import warnings
+from typing import Any, Callable
+
+from etils import epath
+
+REMOTE_PREFIXES = ("gs://", "s3://", "az://")
+
+
+def path(p: Any) -> epath.Path:
+    return epath.Path(p)
+
+
+def is_remote(p: Any) -> bool:
+    return str(p).startswith(REMOTE_PREFIXES)
+
+
+def write_atomic(p: Any, data: str | bytes) -> None:
+    """Replace file `p` by `data` so a reader sees the old or the new file, never a mix."""
+    p = path(p)
+    data = data.encode() if isinstance(data, str) else data
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if is_remote(p):   # an object is written whole when its upload closes
+        p.write_bytes(data)
+        return
+    tmp = p.parent / f".{p.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(os.fspath(tmp), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.fspath(tmp), os.fspath(p))
+    except BaseException:
+        if os.path.exists(os.fspath(tmp)):
+            os.remove(os.fspath(tmp))
+        raise
+    _fsync_dir(p.parent)
+
+
+def _fsync_dir(d: epath.Path) -> None:
+    try:
+        fd = os.open(os.fspath(d), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def append_line(p: Any, row: dict) -> None:
+    """Append one JSON row to `p`; on failure the file is left as it was."""
+    p = path(p)
+    line = (json.dumps(row) + "\n").encode()
+    if is_remote(p):   # objects cannot be appended to: rewrite the whole (small) file
+        old = p.read_bytes() if p.exists() else b""
+        write_atomic(p, old + line)
+        return
+    with open(os.fspath(p), "ab") as f:
+        size = f.tell()
+        try:
+            f.write(line)
+            f.flush()
+        except BaseException:
+            f.truncate(size)
+            raise
+
+
+def read_jsonl(p: Any, warn: bool = True) -> list[dict]:
+    """The rows of a JSONL file ([] if absent). A torn last line (an interrupted
+    write) is skipped with a warning; a bad line before the last one raises."""
+    p = path(p)
+    if not p.exists():
+        return []
+    lines = p.read_bytes().decode(errors="replace").split("\n")
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if any(x.strip() for x in lines[i + 1:]):
+                raise ValueError(f"line {i + 1} of {p} is not JSON and is not the last line; "
+                                 "the file is corrupt: delete that line and retry.") from None
+            if warn:
+                warnings.warn(f"{p}: ignored a torn last line ({len(line)} bytes, left by an "
+                              "interrupted write).", stacklevel=2)
+    return rows
+
+
+def keep_steps(p: Any, keep: Callable[[int], bool]) -> int:
+    """Rewrite the per-step file `p` (atomically) with the rows whose step `keep`
+    accepts, the first row of each step only. Returns how many rows were dropped."""
+    p = path(p)
+    if not p.exists():
+        return 0
+    rows, seen, out = read_jsonl(p), set(), []
+    for r in rows:
+        s = r.get("step")
+        if isinstance(s, int) and keep(s) and s not in seen:
+            seen.add(s)
+            out.append(r)
+    raw = p.read_bytes()
+    new = "".join(json.dumps(r) + "\n" for r in out).encode()
+    if new != raw:
+        write_atomic(p, new)
+    return len(rows) - len(out)
+
+
+def read_json(p: Any) -> Any:
+    return json.loads(path(p).read_text())
+
+
+def write_json(p: Any, obj: Any, **kw) -> None:
+    write_atomic(p, json.dumps(obj, **kw))
+
+
+# ----------------------------------------------------------------------------- the config
+
+
+# Fields a resumed run may change freely: they do not touch the numbers it computes.
+FREE_ON_RESUME = ("train.progress", "train.compile_cache", "train.compile_ahead",
+                  "train.allow_config_change", "train.out_dir", "train.ref_cache_dir",
+                  "train.log_every")
+
+
+def changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted field, old value, new value) for every leaf that differs."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b, name = old.get(k), new.get(k), f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_fields(a, b, name + ".")
+        elif a != b:
+            out.append((name, a, b))
+    return out
+
+
+def record_config(run_dir: Any, new: dict, normalize: Callable[[dict], dict], resuming: bool,
+                  allow_change: bool, start_step: int) -> None:
+    """Check `new` against the run's config.json and write it, with a line in
+    config_history.jsonl. A resumed run (`resuming`: a checkpoint exists) whose
+    config differs in a field outside FREE_ON_RESUME is refused, unless
+    `allow_change`, with a ValueError listing the fields."""
+    import time
+    run_dir = path(run_dir)
+    saved = run_dir / "config.json"
+    changes = []
+    if saved.exists():
+        changes = [c for c in changed_fields(normalize(read_json(saved)), new)
+                   if c[0] not in FREE_ON_RESUME]
+    if resuming and changes and not allow_change:
+        listed = "; ".join(f"{n}: {a!r} -> {b!r}" for n, a, b in changes[:8])
+        more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
+        raise ValueError(f"config field train.allow_config_change: {run_dir} holds a checkpoint "
+                         f"of step {start_step} made with a different config ({listed}{more}); "
+                         "rerun with the old values, use a new train.out_dir, or set "
+                         "train.allow_config_change=true to resume with the changes.")
+    write_json(saved, new, indent=2, sort_keys=True)
+    hist = run_dir / "config_history.jsonl"
+    old_rows = hist.read_bytes() if hist.exists() else b""
+    row = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "start_step": start_step,
+           "changed": [n for n, _, _ in changes], "config": new}
+    write_atomic(hist, old_rows + (json.dumps(row) + "\n").encode())
