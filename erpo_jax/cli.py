@@ -133,12 +133,22 @@ def _user_errors() -> tuple:
 def main(argv: list[str] | None = None) -> int:
     import os
     args = build_parser().parse_args(argv)
+    # Exceptions nobody can raise (orbax's abandoned coroutines after a failed
+    # save or restore) are held back: replayed if the command ends otherwise,
+    # dropped after a user error, whose one sentence says what happened.
+    held, hook = [], sys.unraisablehook
+    sys.unraisablehook = held.append
     try:
         result = args.func(args)
         return result if isinstance(result, int) else 0
     except _user_errors() as e:
         if os.environ.get("ERPO_JAX_TRACEBACK"):
             raise
+        import gc
+        gc.collect()
+        held.clear()
+        sys.unraisablehook = lambda unraisable: None   # and at exit, for the same failure
+        hook = sys.unraisablehook
         config = isinstance(e, ValueError) and str(e).startswith("config field")
         text = " ".join(str(e).split()) or type(e).__name__
         if isinstance(e, OSError) and not config:
@@ -146,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                      "the cause and rerun the same command to resume")
         print(f"erpo {args.command}: {text}", file=sys.stderr, flush=True)
         return 2 if config else 1
+    finally:
+        sys.unraisablehook = hook
+        for u in held:
+            hook(u)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ like a new one, across any number of hosts).
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 import jax
@@ -23,8 +25,10 @@ class SaveFailed(RuntimeError):
     saying what failed, what is intact and how to resume."""
 
     def __init__(self, directory, step: int, latest: int | None, error: BaseException):
-        cause = _root_cause(error)
-        reason = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
+        cause = root_cause(error)
+        text = " ".join(str(cause).split())
+        os_error = re.search(r"[^:\"]*: [^:\"]*\[os_error_code='\d+'\]", text)  # tensorstore's
+        reason = os_error.group(0).strip() if os_error else f"{type(cause).__name__}: {text}"[:300]
         intact = (f"the checkpoint of step {latest} is intact, and so are the metrics up to it; "
                   f"rerunning the same command resumes from step {latest}" if latest is not None
                   else "no earlier checkpoint exists; rerunning the same command starts at step 0")
@@ -32,7 +36,7 @@ class SaveFailed(RuntimeError):
                          f"{intact} once the cause (e.g. a full disk) is fixed.")
 
 
-def _root_cause(e: BaseException) -> BaseException:
+def root_cause(e: BaseException) -> BaseException:
     """The innermost exception of a chain (orbax wraps the OSError several times)."""
     seen = {id(e)}
     while True:
@@ -41,6 +45,20 @@ def _root_cause(e: BaseException) -> BaseException:
             return e
         seen.add(id(nxt))
         e = nxt
+
+
+class _Held(logging.Filter):
+    """Keeps error records instead of letting them through."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def filter(self, record):
+        if record.levelno >= logging.ERROR:
+            self.records.append(record)
+            return False
+        return True
 
 
 class Checkpointer:
@@ -62,9 +80,19 @@ class Checkpointer:
             return False
         if self.manager.latest_step() == step:
             return False
-        saved = self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-        self.manager.wait_until_finished()
+        # orbax logs a failing write from each of its threads, with tracebacks;
+        # they are held back and the caller's SaveFailed says it in one sentence.
+        held = _Held()
+        logger = logging.getLogger("absl")
+        logger.addFilter(held)
+        try:
+            saved = self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            self.manager.wait_until_finished()
+        finally:
+            logger.removeFilter(held)
+        for record in held.records:   # a save that succeeded: whatever it logged, as it was
+            logger.handle(record)
         return saved
 
     def restore(self, state_like: Any, step: int | None = None) -> tuple[Any, dict]:

@@ -195,7 +195,15 @@ class Trainer:
         self.seed_key = jax.random.key(t.seed)
         self.writer = MetricsWriter(self.run_dir, self.primary, t.tensorboard)
         if latest is not None:
-            self.state, meta = self.ckpt.restore(self.state, latest)
+            try:
+                self.state, meta = self.ckpt.restore(self.state, latest)
+            except Exception as e:  # noqa: BLE001 - a sentence, not orbax's traceback
+                cause = str(ckpt_lib.root_cause(e)).strip().split(". ")[:1] or [""]
+                raise ValueError(
+                    f"the checkpoint of step {latest} in {self.ckpt.directory} does not fit the "
+                    f"model and optimizer this config builds ({type(e).__name__}: "
+                    f"{cause[0][:200]}); resume with the config it was made with, or start "
+                    "anew with another train.out_dir.") from None
             check_finite(self.state.params, f"the checkpoint of step {latest} in "
                          f"{self.ckpt.directory}")
             self.start_step = int(meta["step"])
@@ -493,8 +501,10 @@ class Trainer:
                 self._last_drift = row.get("drift/qkl_k3", self._last_drift)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}",
-                                    drift=f"{self._last_drift:.4f}")
+                    shown = {"reward": f"{row['reward_mean']:.3f}", "acc": f"{row['accuracy']:.3f}"}
+                    if not np.isnan(self._last_drift):   # the last measured value, once there is one
+                        shown["drift"] = f"{self._last_drift:.4f}"
+                    bar.set_postfix(**shown)
                 if self.nonfinite_in_a_row >= t.max_nonfinite:
                     raise FloatingPointError(
                         f"{self.nonfinite_in_a_row} consecutive updates had a non-finite loss or "
