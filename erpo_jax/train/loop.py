@@ -30,8 +30,8 @@ from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_ba
 from erpo_jax.rl.query_kl import query_kl
 from erpo_jax.rl.shaping import is_token_level, per_response, shaped_advantages
 from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
-from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax import rundir
+from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
@@ -41,6 +41,7 @@ from erpo_jax.train.host import sample
 from erpo_jax.train.metrics import MetricsWriter
 from erpo_jax.train.policy import (MODEL_SUBDIR, build_sharding, check_finite, export_policy,
                                    load_policy)
+from erpo_jax.train.tasks import Task, load_task
 
 # `erpo train` exits with this code when SIGTERM stopped it after saving a
 # checkpoint (EX_TEMPFAIL: rerunning the same command resumes); 0 means done.
@@ -52,7 +53,6 @@ def resume_command() -> str:
     import shlex
     import sys
     return shlex.join(["erpo", *sys.argv[1:]])
-from erpo_jax.train.tasks import Task, load_task
 
 
 class Preempted(Exception):
