@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         hook = sys.unraisablehook
         config = isinstance(e, ValueError) and str(e).startswith("config field")
         text = " ".join(str(e).split()) or type(e).__name__
-        if isinstance(e, OSError) and not config:
+        if isinstance(e, OSError) and not config and "rerun" not in text:
             text += ("; files in the run directory are intact up to the last checkpoint: fix "
                      "the cause and rerun the same command to resume")
         print(f"erpo {args.command}: {text}", file=sys.stderr, flush=True)
