@@ -134,8 +134,21 @@ def cache_key(params_hash: str, tokenizer_id: str, template: str,
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _bucket(n: int, minimum: int = 8) -> int:
+def bucket(n: int, minimum: int = 8) -> int:
+    """The padded width of a reference-pass batch whose longest row has n tokens."""
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+
+@functools.lru_cache(maxsize=None)
+def make_pass_fn(cfg: ModelConfig, chunk_size: int | None, sharding: Sharding | None = None):
+    """Jitted (params, tokens, mask) -> float32[N, T-1] log-probs at temperature 1
+    (`logp_t1`): the program of the one-time reference pass."""
+    def run(p, tokens, mask):
+        return token_logprobs(p, cfg, tokens, mask, temperature=1.0, chunk_size=chunk_size,
+                              sharding=sharding).logp_t1
+
+    return jax.jit(run, compiler_options=xla_options.for_steps())
 
 
 def compute_reference(params, cfg: ModelConfig, queries: Sequence[Sequence[int]], *,
@@ -161,17 +174,13 @@ def compute_reference(params, cfg: ModelConfig, queries: Sequence[Sequence[int]]
     offsets[1:] = np.cumsum(np.maximum(lengths - 1, 0))
     flat = np.zeros(offsets[-1], np.float32)
 
-    @functools.partial(jax.jit, compiler_options=xla_options.for_steps())
-    def run(p, tokens, mask):
-        return token_logprobs(p, cfg, tokens, mask, temperature=1.0, chunk_size=chunk_size,
-                              sharding=sharding).logp_t1
-
+    run = make_pass_fn(cfg, chunk_size, sharding)
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     if progress:
         from tqdm import tqdm
         batches = tqdm(batches, desc="reference pass", unit="batch", leave=False)
     for idx in batches:
-        width = _bucket(int(lengths[idx].max()) + 1)
+        width = bucket(int(lengths[idx].max()) + 1)
         tokens = np.full((batch_size, width), pad_id, np.int32)
         mask = np.zeros((batch_size, width), bool)
         for r, q in enumerate(idx):

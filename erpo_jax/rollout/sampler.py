@@ -479,15 +479,19 @@ class Sampler:
             mask[i, P - a.size:] = True
         return tokens, mask, B
 
-    def compile(self, params, num_prompts: int, longest_prompt: int) -> None:
-        """Compile ahead of time for `num_prompts` prompts whose longest has
-        `longest_prompt` tokens (params may be arrays or ShapeDtypeStructs);
-        a later call with those shapes reuses the executable."""
+    def lower(self, params, num_prompts: int, longest_prompt: int):
+        """The jitted sampler lowered for `num_prompts` prompts whose longest
+        has `longest_prompt` tokens (params may be arrays or ShapeDtypeStructs)."""
         B, P = self.batch_shape(num_prompts, longest_prompt)
         rows = None if self.sharding is None else self.sharding.named(("batch", None))
         abstract = lambda dtype: jax.ShapeDtypeStruct((B, P), dtype, sharding=rows)
         key = jax.eval_shape(lambda: jax.random.key(0))
-        self._fn.lower(params, abstract(jnp.int32), abstract(jnp.bool_), key).compile()
+        return self._fn.lower(params, abstract(jnp.int32), abstract(jnp.bool_), key)
+
+    def compile(self, params, num_prompts: int, longest_prompt: int) -> None:
+        """Compile ahead of time (see `lower`); a later call with those shapes
+        reuses the executable."""
+        self.lower(params, num_prompts, longest_prompt).compile()
 
     def run(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array) -> tuple[Rollout, int]:
         """(Rollout of device arrays over B' * G rows, number of real rows B * G).

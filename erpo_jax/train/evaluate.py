@@ -29,22 +29,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def eval_samplers(model_cfg: ModelConfig, cfg: RunConfig, eos_ids, pad_id: int,
+                  sharding: Sharding | None = None) -> tuple[Sampler, Sampler | None]:
+    """(greedy sampler, sampled sampler or None when train.eval_n == 1) of the evaluation."""
+    t, r = cfg.train, cfg.rollout
+    common = dict(max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids), pad_id=pad_id,
+                  max_prompt_len=cfg.data.max_prompt_len)
+    greedy = Sampler(model_cfg, SamplingConfig(num_samples=1, greedy=True, **common), sharding)
+    sampled = None
+    if t.eval_n > 1:
+        sampled = Sampler(model_cfg, SamplingConfig(
+            num_samples=t.eval_n, temperature=t.eval_temperature, **common), sharding)
+    return greedy, sampled
+
+
 class Evaluator:
-    """Runs the evaluation sets of a task; holds its own compiled samplers."""
+    """Runs the evaluation sets of a task with the samplers of `eval_samplers`
+    (passed in, e.g. the Trainer's `Programs`, or built here)."""
 
     def __init__(self, model_cfg: ModelConfig, task: Task, cfg: RunConfig,
-                 sharding: Sharding | None = None, max_problems: int | None = None):
-        t, r, tok = cfg.train, cfg.rollout, task.tokenizer
+                 sharding: Sharding | None = None, max_problems: int | None = None,
+                 samplers: tuple[Sampler, Sampler | None] | None = None):
+        t, tok = cfg.train, task.tokenizer
         self.task, self.cfg = task, cfg
         self.max_problems = max_problems or t.eval_max_problems
-        common = dict(max_new_tokens=r.max_new_tokens, eos_ids=tok.eos_ids, pad_id=tok.pad_id,
-                      max_prompt_len=cfg.data.max_prompt_len)
-        self.greedy = Sampler(model_cfg, SamplingConfig(num_samples=1, greedy=True, **common),
-                              sharding)
-        self.sampled = None
-        if t.eval_n > 1:
-            self.sampled = Sampler(model_cfg, SamplingConfig(
-                num_samples=t.eval_n, temperature=t.eval_temperature, **common), sharding)
+        self.greedy, self.sampled = samplers or eval_samplers(model_cfg, cfg, tok.eos_ids,
+                                                              tok.pad_id, sharding)
         self.sets = {name: probs[:self.max_problems] for name, probs in task.eval_sets.items()}
         self.prompts = {name: task.prompts(probs) for name, probs in self.sets.items()}
 

@@ -28,8 +28,8 @@ from erpo_jax.rl import critic as critic_lib
 from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_batch
 from erpo_jax.rl.query_kl import query_kl
-from erpo_jax.rl.shaping import is_token_level, per_response, shaped_advantages
-from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
+from erpo_jax.rl.shaping import per_response
+from erpo_jax.rollout.sampler import rollout_key
 from erpo_jax import rundir
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
@@ -41,6 +41,7 @@ from erpo_jax.train.host import sample
 from erpo_jax.train.metrics import MetricsWriter
 from erpo_jax.train.policy import (MODEL_SUBDIR, build_sharding, check_finite, export_policy,
                                    load_policy)
+from erpo_jax.train.programs import Programs
 from erpo_jax.train.tasks import Task, load_task
 
 # `erpo train` exits with this code when SIGTERM stopped it after saving a
@@ -121,31 +122,16 @@ class Trainer:
         self.G, self.B = cfg.rollout.group_size, t.batch_size
         self.ref_forward_calls = 0
 
-        o = cfg.optim
-        total = t.steps * o.epochs * o.num_minibatches
-        self.tx, self.schedule = step_lib.make_optimizer(o, total)
-        critic, critic_tx = None, None
-        if adv_lib.needs_critic(a.advantage):
+        self.programs = progs = Programs(cfg, self.model_cfg, self.sharding,
+                                         self.tokenizer.eos_ids, self.tokenizer.pad_id)
+        critic = None
+        if progs.has_critic:
             critic = critic_lib.init_critic(self.model_cfg, jax.random.key(t.seed), params)
-            critic_tx, _ = step_lib.make_optimizer(o, total, lr=a.critic_lr)
-        self.state = step_lib.init_state(params, self.tx, critic, critic_tx, self.sharding)
-        self.update = step_lib.build_update(
-            self.model_cfg, lc, a, self.tx, critic_tx, micro_batches=o.micro_batches,
-            group_size=self.G, temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.logprob_chunk, sharding=self.sharding,
-            state_shardings=step_lib.shardings_of(self.state), schedule=self.schedule)
-        r = cfg.rollout
-        self.sampler = Sampler(self.model_cfg, SamplingConfig(
-            max_new_tokens=r.max_new_tokens, num_samples=self.G, temperature=r.temperature,
-            top_p=r.top_p, top_k=r.top_k, eos_ids=self.tokenizer.eos_ids,
-            min_new_tokens=r.min_new_tokens, pad_id=self.tokenizer.pad_id,
-            max_prompt_len=cfg.data.max_prompt_len), self.sharding)
-        self.ref_logp_fn = step_lib.make_logprob_fn(self.model_cfg, r.temperature,
-                                                    cfg.model.logprob_chunk, self.sharding)
-        self.t1_logp_fn = step_lib.make_logprob_fn(self.model_cfg, 1.0, cfg.model.logprob_chunk,
-                                                   self.sharding)
-        self._shapes_rewards = lc.beta_policy > 0 and lc.policy_kl_mode == "reward"
-        self.advantages_fn = self._make_advantages_fn()
+        self.state = progs.init_state(params, critic)
+        self.update, self.sampler = progs.update, progs.sampler
+        self.ref_logp_fn, self.t1_logp_fn = progs.ref_logp_fn, progs.t1_logp_fn
+        self.advantages_fn, self.values_fn = progs.advantages_fn, progs.values_fn
+        self._shapes_rewards = progs.shapes_rewards
         self.iterator = QueryBatchIterator(len(self.task.train), self.B, t.seed)
         self.start_step = 0 if latest is None else latest
         self._next_indices = None   # (step, indices) prepared while the last update ran
@@ -187,11 +173,8 @@ class Trainer:
         self.ref_params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p),
                                   compiler_options=xla_options.for_once())(params) \
             if need_ref else None
-
-        if critic is not None:
-            self.values_fn = jax.jit(lambda c, tok, m: critic_lib.values(c, self.model_cfg, tok, m),
-                                     compiler_options=xla_options.for_steps())
-        self.evaluator = Evaluator(self.model_cfg, self.task, cfg, self.sharding)
+        self.evaluator = Evaluator(self.model_cfg, self.task, cfg, self.sharding,
+                                   samplers=(progs.eval_greedy, progs.eval_sampled))
         self.seed_key = jax.random.key(t.seed)
         self.writer = MetricsWriter(self.run_dir, self.primary, t.tensorboard)
         if latest is not None:
@@ -226,46 +209,12 @@ class Trainer:
         """Abstract (state, mini-batch, critic batch) of step `step`'s update
         calls: the rollout's width is the length bucket of that step's longest
         prompt plus max_new_tokens (what `_rl_batch` and `_update` produce)."""
-        o, G = self.cfg.optim, self.G
+        return self.programs.update_arguments(self.state, self._width_at(step))
+
+    def _width_at(self, step: int) -> int:
         prompts = self._prompts_at(step)
-        T = (self.sampler.batch_shape(len(prompts), max(len(p) for p in prompts))[1]
-             + self.sampler.sampling.max_new_tokens)
-        rows = self.B // o.num_minibatches * G
-
-        def arg(dtype, *shape):  # as _put places a [rows, *shape] array
-            logical = ("batch", None)[:1 + len(shape)]
-            sh = None if self.sharding is None else self.sharding.named(logical)
-            return jax.ShapeDtypeStruct((rows, *shape), dtype, sharding=sh)
-
-        lc, a = self.cfg.loss, self.cfg.algo
-        has_critic = adv_lib.needs_critic(a.advantage)
-        token_adv = is_token_level(a.advantage, a.reinforce_pp_whiten)
-        f32, tok = lambda: arg(jnp.float32, T - 1), lambda: arg(jnp.bool_, T - 1)
-        batch = RLBatch(
-            tokens=arg(jnp.int32, T), attn_mask=arg(jnp.bool_, T), query_mask=tok(),
-            response_mask=tok(), old_logp=f32(),
-            advantages=f32() if token_adv else arg(jnp.float32),
-            ref_query_logp=f32(), query_weight=arg(jnp.float32), group_id=arg(jnp.int32),
-            ref_logp=f32() if lc.needs_ref_logp else None)
-        critic = step_lib.CriticBatch(f32(), f32()) if has_critic else None
-        state = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
-        return state, batch, critic
-
-    def _make_advantages_fn(self):
-        """Jitted `shaping.shaped_advantages` (rewards float32[R], response_mask,
-        old_logp, ref_logp) -> (shaped rewards, advantages or None for GAE): the
-        Policy-KL reward shaping (policy_kl_mode 'reward'; old_logp and ref_logp
-        are None otherwise) and the estimator, as one program that compiles
-        ahead rather than as a dozen eager ops that would each compile in the
-        first step."""
-        lc, a, G = self.cfg.loss, self.cfg.algo, self.G
-
-        def advantages_fn(rewards, response_mask, old_logp, ref_logp):
-            return shaped_advantages(rewards, response_mask, old_logp, ref_logp, loss_cfg=lc,
-                                     algo=a, group_size=G)
-
-        return jax.jit(advantages_fn, compiler_options=xla_options.for_steps())
+        return (self.sampler.batch_shape(len(prompts), max(len(p) for p in prompts))[1]
+                + self.sampler.sampling.max_new_tokens)
 
     def _compile_ahead(self, step: int) -> None:
         """Compile step `step`'s rollout, reference forward (with Policy-KL)
@@ -297,17 +246,11 @@ class Trainer:
         jobs = [("rollout", lambda c=c: self.sampler.compile(
             state.params, len(c), max(len(p) for p in c)))
             for c in (prompts[i:i + chunk] for i in range(0, len(prompts), chunk))]
+        T = batch.tokens.shape[1]
         if self.cfg.loss.needs_ref_logp:
-            rows = lambda a: a.update(shape=(self.B * self.G, a.shape[1]))
-            jobs.append(("reference forward", lambda: self.ref_logp_fn.lower(
-                state.params, rows(batch.tokens), rows(batch.attn_mask),
-                last=self.sampler.sampling.max_new_tokens).compile()))
-        R, Tm1 = self.B * self.G, batch.old_logp.shape[1]
-        logp = jax.ShapeDtypeStruct((R, Tm1), jnp.float32)
-        token = (logp, logp) if self._shapes_rewards else (None, None)
-        jobs.append(("advantages", lambda: self.advantages_fn.lower(
-            jax.ShapeDtypeStruct((R,), jnp.float32), jax.ShapeDtypeStruct((R, Tm1), jnp.bool_),
-            *token).compile()))
+            jobs.append(("reference forward",
+                         lambda: self.programs.lower_reference_forward(state.params, T).compile()))
+        jobs.append(("advantages", lambda: self.programs.lower_advantages(T).compile()))
         jobs.append(("update", lambda: self.update.lower(state, batch, critic).compile()))
         return jobs
 
@@ -421,7 +364,7 @@ class Trainer:
             raise RuntimeError("Trainer.drift needs the held-out queries' reference pass, made "
                                "at construction only when train.drift_every > 0.")
         prompts = self.drift_prompts
-        width = ref_lib._bucket(max(len(p) for p in prompts))
+        width = ref_lib.bucket(max(len(p) for p in prompts))
         n = len(prompts)
         dp = self.sharding.data_size
         rows = -(-n // dp) * dp

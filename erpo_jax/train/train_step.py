@@ -66,10 +66,12 @@ def make_optimizer(o: OptimSection, total_updates: int, lr: float | None = None)
 
 
 def init_state(params, tx, critic_params=None, critic_tx=None,
-               sharding: Sharding | None = None) -> TrainState:
+               sharding: Sharding | None = None, shardings=None) -> TrainState:
     """A fresh state; optimizer moments are created by a jitted init, so they
     inherit the parameters' shardings (nothing is built unsharded). Counters
-    are replicated over the mesh of `sharding`."""
+    are replicated over the mesh of `sharding`. shardings: the TrainState's
+    shardings to commit to (`Programs.state_shardings`, what the update's
+    program was built for); default: where the leaves were made."""
     where = sharding.replicated() if sharding is not None else None
     # Distinct buffers (the state is donated), placed with the parameters.
     zero = lambda: jax.device_put(np.zeros((), np.int32), where)
@@ -90,7 +92,7 @@ def init_state(params, tx, critic_params=None, critic_tx=None,
         nonfinite=zero(), skipped=zero())
     # Commit every leaf to its sharding now, so the first update compiles once
     # (its outputs carry these shardings; uncommitted inputs would retrace).
-    return jax.device_put(state, shardings_of(state))
+    return jax.device_put(state, shardings_of(state) if shardings is None else shardings)
 
 
 @flax.struct.dataclass

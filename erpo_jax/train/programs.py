@@ -1,0 +1,234 @@
+"""The Trainer's jitted programs, built from the config and abstract shapes.
+
+Nothing here reads weights or data: the programs depend only on the config,
+the model's shapes, the tokenizer's special ids and the mesh. `Trainer` calls
+them on real arrays; `erpo plan` lowers the very same ones on
+ShapeDtypeStructs (with their NamedShardings) for a TPU topology it does not
+have, and the compile-ahead thread lowers them for the first step's shapes.
+
+The programs of one RL run:
+  rollout            the sampler (prefill + decode loop) at max_prompts_per_call
+  reference forward  the Policy-KL reference's response log-probs (when it has one)
+  update             the RL update: micro-batches, optimizer, donated state
+  eval greedy / eval sampled   the evaluation samplers
+  reference pass     the one-time reference query pass (ref_batch_size rows)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from erpo_jax import xla_options
+from erpo_jax.model import model as model_lib
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.sharding import Sharding
+from erpo_jax.rl import advantages as adv_lib
+from erpo_jax.rl import critic as critic_lib
+from erpo_jax.rl import reference as ref_lib
+from erpo_jax.rl.batch import RLBatch
+from erpo_jax.rl.shaping import is_token_level, shaped_advantages
+from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+from erpo_jax.train import train_step as step_lib
+from erpo_jax.train.config import RunConfig
+from erpo_jax.train.evaluate import eval_samplers
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program at the shapes it is planned for: `lower()` gives jax's Lowered."""
+
+    name: str
+    shapes: str            # a line saying which shapes (for the report)
+    lower: object          # () -> jax.stages.Lowered
+    rows: int = 0          # rows of the batch it processes
+    tokens: int = 0        # tokens it processes (for FLOP accounting)
+
+
+def _abstract(x, sharding=None):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+class Programs:
+    """Every jitted program of an RL run of `cfg` (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, sharding: Sharding | None,
+                 eos_ids: Sequence[int], pad_id: int):
+        self.cfg, self.model_cfg, self.sharding = cfg, model_cfg, sharding
+        o, a, lc, r, t = cfg.optim, cfg.algo, cfg.loss, cfg.rollout, cfg.train
+        self.G, self.B = r.group_size, t.batch_size
+        total = t.steps * o.epochs * o.num_minibatches
+        self.tx, self.schedule = step_lib.make_optimizer(o, total)
+        self.has_critic = adv_lib.needs_critic(a.advantage)
+        self.critic_tx = (step_lib.make_optimizer(o, total, lr=a.critic_lr)[0]
+                          if self.has_critic else None)
+        self.state_shardings = (None if sharding is None else
+                                step_lib.shardings_of(self.abstract_state()))
+        chunk = cfg.model.logprob_chunk
+        self.update = step_lib.build_update(
+            model_cfg, lc, a, self.tx, self.critic_tx, micro_batches=o.micro_batches,
+            group_size=self.G, temperature=r.temperature, chunk_size=chunk, sharding=sharding,
+            state_shardings=self.state_shardings, schedule=self.schedule)
+        self.sampler = Sampler(model_cfg, SamplingConfig(
+            max_new_tokens=r.max_new_tokens, num_samples=self.G, temperature=r.temperature,
+            top_p=r.top_p, top_k=r.top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
+            min_new_tokens=r.min_new_tokens, max_prompt_len=cfg.data.max_prompt_len), sharding)
+        self.eval_greedy, self.eval_sampled = eval_samplers(model_cfg, cfg, eos_ids, pad_id,
+                                                            sharding)
+        self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding)
+        self.t1_logp_fn = step_lib.make_logprob_fn(model_cfg, 1.0, chunk, sharding)
+        self.ref_pass_fn = ref_lib.make_pass_fn(model_cfg, chunk, sharding)
+        self.shapes_rewards = lc.beta_policy > 0 and lc.policy_kl_mode == "reward"
+        self.advantages_fn = self._make_advantages_fn()
+        self.values_fn = None
+        if self.has_critic:
+            self.values_fn = jax.jit(lambda c, tok, m: critic_lib.values(c, model_cfg, tok, m),
+                                     compiler_options=xla_options.for_steps())
+
+    # ------------------------------------------------------------------ state
+
+    def abstract_params(self):
+        """The policy's parameters as ShapeDtypeStructs in their shardings."""
+        shapes = model_lib.abstract_params(self.model_cfg)
+        if self.sharding is None:
+            return shapes
+        return jax.tree_util.tree_map(
+            _abstract, shapes, model_lib.param_shardings(self.model_cfg, self.sharding))
+
+    def abstract_state(self) -> step_lib.TrainState:
+        """The TrainState as ShapeDtypeStructs with the shardings `init_state` commits."""
+        params = self.abstract_params()
+        critic = None
+        if self.has_critic:
+            critic = jax.eval_shape(lambda p: critic_lib.init_critic(
+                self.model_cfg, jax.random.key(0), p), params)
+            if self.sharding is not None:
+                rep = self.sharding.replicated()
+                critic = {"trunk": jax.tree_util.tree_map(lambda a, p: _abstract(a, p.sharding),
+                                                          critic["trunk"], params),
+                          "value_head": jax.tree_util.tree_map(lambda a: _abstract(a, rep),
+                                                               critic["value_head"])}
+        return jax.eval_shape(lambda p, c: self._state_from(p, c), params, critic) \
+            if self.sharding is None else self._abstract_state_sharded(params, critic)
+
+    def _state_from(self, params, critic):
+        z = jnp.zeros((), jnp.int32)
+        return step_lib.TrainState(
+            step=z, params=params, opt_state=self.tx.init(params), critic=critic,
+            critic_opt=None if critic is None else self.critic_tx.init(critic),
+            nonfinite=z, skipped=z)
+
+    def _abstract_state_sharded(self, params, critic):
+        shapes = jax.eval_shape(self._state_from, params, critic)
+        rep = self.sharding.replicated()
+
+        def opt_like(opt, tx, p):  # moments follow their parameter; counters replicated
+            return optax.tree_map_params(tx, lambda s, q: _abstract(s, q.sharding), opt, p,
+                                         transform_non_params=lambda s: _abstract(s, rep))
+
+        return shapes.replace(
+            step=_abstract(shapes.step, rep), params=params,
+            opt_state=opt_like(shapes.opt_state, self.tx, params),
+            critic=critic,
+            critic_opt=None if critic is None else opt_like(shapes.critic_opt, self.critic_tx,
+                                                            critic),
+            nonfinite=_abstract(shapes.nonfinite, rep), skipped=_abstract(shapes.skipped, rep))
+
+    def init_state(self, params, critic=None) -> step_lib.TrainState:
+        """A fresh state for loaded parameters, committed to `state_shardings`."""
+        return step_lib.init_state(params, self.tx, critic, self.critic_tx, self.sharding,
+                                   shardings=self.state_shardings)
+
+    # ------------------------------------------------------------------ shapes
+
+    def _rows(self, rows: int, *shape, dtype=jnp.float32):
+        logical = ("batch", None)[:1 + len(shape)]
+        sh = None if self.sharding is None else self.sharding.named(logical)
+        return jax.ShapeDtypeStruct((rows, *shape), dtype, sharding=sh)
+
+    def update_arguments(self, state, T: int):
+        """Abstract (state, mini-batch, critic batch) of one update call on
+        rollouts of width T (prompt bucket + max_new_tokens)."""
+        o = self.cfg.optim
+        rows = self.B // o.num_minibatches * self.G
+        arg = lambda dtype, *shape: self._rows(rows, *shape, dtype=dtype)
+        f32, tok = lambda: arg(jnp.float32, T - 1), lambda: arg(jnp.bool_, T - 1)
+        a = self.cfg.algo
+        per_token = is_token_level(a.advantage, a.reinforce_pp_whiten)
+        batch = RLBatch(
+            tokens=arg(jnp.int32, T), attn_mask=arg(jnp.bool_, T), query_mask=tok(),
+            response_mask=tok(), old_logp=f32(),
+            advantages=f32() if per_token else arg(jnp.float32),
+            ref_query_logp=f32(), query_weight=arg(jnp.float32), group_id=arg(jnp.int32),
+            ref_logp=f32() if self.cfg.loss.needs_ref_logp else None)
+        critic = step_lib.CriticBatch(f32(), f32()) if self.has_critic else None
+        state = jax.tree_util.tree_map(lambda a: _abstract(a, getattr(a, "sharding", None)),
+                                       state)
+        return state, batch, critic
+
+    def lower_reference_forward(self, params, T: int):
+        rows = self.B * self.G
+        return self.ref_logp_fn.lower(params, self._rows(rows, T, dtype=jnp.int32),
+                                      self._rows(rows, T, dtype=jnp.bool_),
+                                      last=self.cfg.rollout.max_new_tokens)
+
+    def lower_advantages(self, T: int):
+        R = self.B * self.G
+        logp = jax.ShapeDtypeStruct((R, T - 1), jnp.float32)
+        token = (logp, logp) if self.shapes_rewards else (None, None)
+        return self.advantages_fn.lower(jax.ShapeDtypeStruct((R,), jnp.float32),
+                                        jax.ShapeDtypeStruct((R, T - 1), jnp.bool_), *token)
+
+    def planned(self) -> list[Program]:
+        """Every per-step program at its largest shapes: prompts at
+        data.max_prompt_len, rollouts of rollout.max_prompts_per_call prompts
+        (train.batch_size when 0), the reference pass at train.ref_batch_size."""
+        cfg, r, G, B = self.cfg, self.cfg.rollout, self.G, self.B
+        state = self.abstract_state()
+        params = state.params
+        P_max, N = cfg.data.max_prompt_len, r.max_new_tokens
+        per_call = r.max_prompts_per_call or B
+        Bp, P = self.sampler.batch_shape(per_call, P_max)
+        T = P + N
+        out = [Program("rollout", f"{Bp} prompts x {G} samples, {P} prompt + {N} new tokens",
+                       lambda: self.sampler.lower(params, per_call, P_max), Bp * G, Bp * G * T)]
+        if cfg.loss.needs_ref_logp:
+            out.append(Program("reference forward", f"{B * G} rows x {T} tokens",
+                               lambda: self.lower_reference_forward(params, T), B * G, B * G * T))
+        rows = B // cfg.optim.num_minibatches * G
+        out.append(Program(
+            "update", f"{rows} rows x {T} tokens in {cfg.optim.micro_batches} micro-batches",
+            lambda: self.update.lower(*self.update_arguments(state, T)), rows, rows * T))
+        for name, s in (("eval greedy", self.eval_greedy), ("eval sampled", self.eval_sampled)):
+            if s is not None:
+                n = s.sampling.num_samples
+                out.append(Program(name, f"{Bp} prompts x {n} samples, {P} + {N} tokens",
+                                   lambda s=s: s.lower(params, per_call, P_max), Bp * n,
+                                   Bp * n * T))
+        rb, width = cfg.train.ref_batch_size, ref_lib.bucket(P_max + 1)
+        out.append(Program("reference pass", f"{rb} queries x {width} tokens",
+                           lambda: self.ref_pass_fn.lower(
+                               params, self._rows(rb, width, dtype=jnp.int32),
+                               self._rows(rb, width, dtype=jnp.bool_)), rb, rb * width))
+        return out
+
+    # ------------------------------------------------------------------ small programs
+
+    def _make_advantages_fn(self):
+        """Jitted `shaping.shaped_advantages` (rewards float32[R], response_mask,
+        old_logp, ref_logp) -> (shaped rewards, advantages or None for GAE): the
+        Policy-KL reward shaping (policy_kl_mode 'reward'; old_logp and ref_logp
+        are None otherwise) and the estimator, as one program that compiles
+        ahead rather than as a dozen eager ops that would each compile in the
+        first step."""
+        lc, a, G = self.cfg.loss, self.cfg.algo, self.G
+
+        def advantages_fn(rewards, response_mask, old_logp, ref_logp):
+            return shaped_advantages(rewards, response_mask, old_logp, ref_logp, loss_cfg=lc,
+                                     algo=a, group_size=G)
+
+        return jax.jit(advantages_fn, compiler_options=xla_options.for_steps())
