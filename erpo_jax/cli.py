@@ -7,6 +7,7 @@
     erpo sweep  experiments/main_comparison.py --seeds 0,1,2 --cpu
     erpo report runs/main_comparison/*/seed* --out runs/main_comparison/report
     erpo bench  [--quick]
+    erpo plan   --config FILE --topology v4-8 [--json out.json] [--suggest]
     erpo demo   (the embedded CPU demo: SFT, then RL three ways, then a summary)
 
 Every config field can be overridden with `section.field=value`; invalid
@@ -111,12 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="an HF-format model directory to evaluate")
     p.add_argument("--out", default=None, help="where to write the results")
     p.set_defaults(func=_eval)
-    from erpo_jax import bench, report, sweep
+    from erpo_jax import bench, plan, report, sweep
     from erpo_jax.train.inspect_grads import add_parser as add_inspect
     add_inspect(sub)
     report.add_parser(sub)
     sweep.add_parser(sub)
     bench.add_parser(sub)
+    plan.add_parser(sub)
     p = sub.add_parser("demo", help="the embedded CPU demo (no download)")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--quick", action="store_true", help="a minimal run for smoke tests")

@@ -13,6 +13,13 @@ The whole comparison, one variant (and seed) per TPU job:
 
     erpo sweep experiments/real_scale.py --only 1.5b-erpo,1.5b-grpo+policy_kl,1.5b-no_kl --seeds 0
     erpo sweep experiments/real_scale.py --only 7b-erpo --seeds 0        # on a v5litepod-16
+    erpo sweep experiments/real_scale.py --only 7b-v5p-erpo --seeds 0    # on a v5p-8
+
+Before creating a slice, check that every program fits it (free, on a CPU box):
+
+    erpo plan --config experiments/real_scale.py --topology v4-8
+    erpo plan --config experiments/real_scale_7b.py --topology v5e-16
+    erpo plan --config experiments/real_scale_7b_v5p.py --topology v5p-8
 
 (on a multi-host slice the trainer's run directory must be shared, see
 tpu_setup/README.md; the sweep's skip/resume check reads it with pathlib).
@@ -84,6 +91,7 @@ BENCHMARKS = ("gsm8k", "math500", "aime24", "amc23", "minerva_math", "olympiadbe
 MODELS = {
     "1.5b": ("qwen2.5-math-1.5b", "checkpoints/Qwen2.5-Math-1.5B", "v4-8", (1, 4, 1), 32),
     "7b": ("qwen2.5-7b", "checkpoints/Qwen2.5-7B", "v5litepod-16", (1, 16, 1), 64),
+    "7b-v5p": ("qwen2.5-7b", "checkpoints/Qwen2.5-7B", "v5p-8", (1, 4, 1), 32),
 }
 
 
@@ -148,8 +156,19 @@ def sweep(cpu: bool = False) -> dict[str, RunConfig]:
 
 
 def accelerator(cfg: RunConfig) -> str:
-    """The TPU type a real-scale config is laid out for."""
-    return next(acc for preset, _, acc, _, _ in MODELS.values() if preset == cfg.model.preset)
+    """The TPU type a real-scale config is laid out for (its name starts with the model key)."""
+    key = max((k for k in MODELS if cfg.name.startswith(k + "-")), key=len)
+    return MODELS[key][2]
+
+
+def get_config_7b() -> RunConfig:
+    """Qwen2.5-7B with ERPO on a v5litepod-16 (`experiments/real_scale_7b.py`)."""
+    return method_config("erpo", "7b")
+
+
+def get_config_7b_v5p() -> RunConfig:
+    """Qwen2.5-7B with ERPO on a v5p-8 (`experiments/real_scale_7b_v5p.py`)."""
+    return method_config("erpo", "7b-v5p")
 
 
 COMPARISONS = [(f"{m}-erpo", f"{m}-{b}") for m in MODELS for b in ("grpo+policy_kl", "no_kl")]

@@ -28,7 +28,7 @@ from erpo_jax.train.loop import train
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"
 FILES = ("main_comparison", "high_temperature", "long_horizon", "ablations", "real_scale")
-HBM_GIB = {"v4-8": 32, "v5litepod-16": 16}
+HBM_GIB = {"v4-8": 32, "v5litepod-16": 16, "v5p-8": 95}
 
 # The same shrink for every variant: tiny random model, 2 steps of 8 x 2, 6 new tokens,
 # evaluation on 2 problems per set.
@@ -205,7 +205,7 @@ def test_real_scale_configs_plan_and_shard_on_their_tpu_mesh():
         assert 4 * per_device < HBM_GIB[acc] * 2 ** 30 / 2, (cfg.name, per_device / 2 ** 30)
         expected = {"qwen2.5-math-1.5b": 1.54e9, "qwen2.5-7b": 7.6e9}[cfg.model.preset]
         assert abs(n_params / expected - 1) < 0.02
-    assert {k[1] for k in seen} == {"v4-8", "v5litepod-16"}
+    assert {k[1] for k in seen} == {"v4-8", "v5litepod-16", "v5p-8"}
 
 
 # ----------------------------------------------------------------------------- the runner

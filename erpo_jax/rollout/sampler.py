@@ -286,6 +286,18 @@ def _record(state: SamplerState, logits: jax.Array, sc: SamplingConfig) -> Sampl
     )
 
 
+def decode_step(params, s: SamplerState, cfg: ModelConfig, sc: SamplingConfig,
+                sharding: Sharding | None = None) -> SamplerState:
+    """One step of the decode loop: feed the last sampled token, sample the next
+    (params: per-layer, as `model.unstack_layers` returns them)."""
+    last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)     # [R, 1]
+    logits, cache = model_lib.forward(params, cfg, last, s.positions[:, None],
+                                      jnp.ones_like(last, bool), cache=s.cache,
+                                      sharding=sharding)
+    s = dataclasses.replace(s, cache=cache, positions=s.positions + 1)
+    return _record(s, logits[:, 0], sc)
+
+
 def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array, *,
                    cfg: ModelConfig, sc: SamplingConfig,
                    sharding: Sharding | None = None) -> Rollout:
@@ -345,15 +357,7 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     def cond(s: SamplerState):
         return (s.step < N) & ~jnp.all(s.done)
 
-    def body(s: SamplerState):
-        last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)     # [R, 1]
-        logits, cache = model_lib.forward(params, cfg, last, s.positions[:, None],
-                                          jnp.ones_like(last, bool), cache=s.cache,
-                                          sharding=sharding)
-        s = dataclasses.replace(s, cache=cache, positions=s.positions + 1)
-        return _record(s, logits[:, 0], sc)
-
-    state = jax.lax.while_loop(cond, body, state)
+    state = jax.lax.while_loop(cond, lambda s: decode_step(params, s, cfg, sc, sharding), state)
 
     response_mask = jnp.arange(N)[None, :] < state.lengths[:, None]
     return Rollout(
@@ -487,6 +491,44 @@ class Sampler:
         abstract = lambda dtype: jax.ShapeDtypeStruct((B, P), dtype, sharding=rows)
         key = jax.eval_shape(lambda: jax.random.key(0))
         return self._fn.lower(params, abstract(jnp.int32), abstract(jnp.bool_), key)
+
+    def lower_decode_step(self, params, num_prompts: int, longest_prompt: int):
+        """One step of the decode loop (`decode_step`) lowered for the shapes of
+        `lower` with its carry in the shardings the loop gives it (params:
+        ShapeDtypeStructs with NamedShardings); for `erpo plan`, whose cost
+        analysis counts a loop body once."""
+        B, P = self.batch_shape(num_prompts, longest_prompt)
+        sc, cfg, sh = self.sampling, self.cfg, self.sharding
+        G, N = sc.num_samples, sc.max_new_tokens
+        R, S = B * G, P + N - 1
+
+        def put(shape, dtype, logical):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sh.named(logical))
+
+        def unstacked(a):   # a stacked [L, ...] leaf's per-layer slice, same spec minus L
+            spec = jax.sharding.PartitionSpec(*tuple(a.sharding.spec)[1:])
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype,
+                                        sharding=jax.sharding.NamedSharding(sh.mesh, spec))
+
+        layer = jax.tree_util.tree_map(unstacked, params["layers"])
+        per_layer = {**params, "layers": (layer,) * cfg.num_layers}
+        cd, L, Nk, K = cfg.jnp_compute_dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        cache = model_lib.KVCache(
+            tuple(put((R, Nk, K, S), cd, model_lib.K_CACHE_AXES) for _ in range(L)),
+            tuple(put((R, Nk, S, K), cd, model_lib.V_CACHE_AXES) for _ in range(L)),
+            put((R, S), jnp.bool_, ("batch", "cache_length")), put((), jnp.int32, ()))
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        rows = lambda shape, dtype: put((R, *shape), dtype, ("batch", None)[:1 + len(shape)])
+        state = SamplerState(
+            tokens=rows((N,), jnp.int32), logps=rows((N,), jnp.float32), cache=cache,
+            positions=rows((), jnp.int32), done=rows((), jnp.bool_),
+            lengths=rows((), jnp.int32), step=put((), jnp.int32, ()),
+            rng=put((R,), key.dtype, ("batch",)),
+            uniforms=rows((N if sc.method == "inverse_cdf" and not sc.greedy else 0,),
+                          jnp.float32))
+        fn = jax.jit(lambda p, s: decode_step(p, s, cfg, sc, sh), donate_argnums=(1,),
+                     compiler_options=xla_options.for_steps())
+        return fn.lower(per_layer, state)
 
     def compile(self, params, num_prompts: int, longest_prompt: int) -> None:
         """Compile ahead of time (see `lower`); a later call with those shapes

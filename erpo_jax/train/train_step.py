@@ -149,6 +149,11 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
     counters after the update: `skipped_total`, `nonfinite_in_a_row`.
     """
     n_micro = micro_batches
+    # Gradients (and their accumulator) sharded as the parameters, not left to
+    # the partitioner, which may replicate them (a full float32 copy per chip).
+    param_sh = None if state_shardings is None else state_shardings.params
+    like_params = ((lambda g: g) if param_sh is None
+                   else (lambda g: jax.lax.with_sharding_constraint(g, param_sh)))
 
     def micro_loss(params, mb: RLBatch, shares):
         stats = token_logprobs(params, model_cfg, mb.tokens, mb.attn_mask,
@@ -173,6 +178,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
             shares = {k: cnt[k] / totals[k] for k in cnt}
             (loss, (terms, metrics)), g = jax.value_and_grad(micro_loss, has_aux=True)(
                 state.params, mb, shares)
+            g = like_params(g)
             grads = jax.tree_util.tree_map(jnp.add, acc["grads"], g)
             out = {"grads": grads, "loss": acc["loss"] + loss}
             if cmb is not None:
@@ -185,7 +191,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                 metrics = {**metrics, **vmet}
             return out, (metrics, terms)
 
-        acc0 = {"grads": jax.tree_util.tree_map(jnp.zeros_like, state.params),
+        acc0 = {"grads": like_params(jax.tree_util.tree_map(jnp.zeros_like, state.params)),
                 "loss": jnp.zeros((), jnp.float32)}
         if critic_batch is not None:
             acc0["critic_grads"] = jax.tree_util.tree_map(jnp.zeros_like, state.critic)

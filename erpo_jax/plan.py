@@ -1,0 +1,390 @@
+"""`erpo plan`: compile every per-step program of a run for a Cloud TPU topology,
+on this (CPU) host, with XLA's TPU compiler, and report what each needs.
+
+    erpo plan --config experiments/real_scale.py --topology v4-8 [--json out.json]
+    erpo plan --config FILE --topology v5e-16 --suggest
+
+It needs libtpu (`pip install -e '.[test]'` or the `tpu` extra), never a TPU:
+`jax.experimental.topologies` gives abstract TPU devices, a mesh over them
+holds the config's mesh, and the Trainer's own programs (`train.programs`)
+are lowered on ShapeDtypeStructs in their NamedShardings and compiled. A
+multi-host topology compiles as the one SPMD program over all chips that
+`jax.distributed` runs on it.
+
+Per program and per chip it reports the compiler's memory analysis
+(arguments, outputs, temporaries, aliased (donated) bytes, generated code),
+the peak = arguments + outputs - aliased + temporaries + code against the
+chip's HBM less a stated margin, the compiler's FLOPs and bytes accessed, and
+a roofline time estimate max(FLOPs / peak FLOP/s, bytes / HBM bandwidth).
+
+XLA's cost analysis counts the body of every loop once: the decode loop, the
+layer scan, the micro-batch scan, the LM-head chunks. So the estimates are
+built as follows, and labelled as estimates:
+- rollout: the program's numbers plus (max_new_tokens - 1) more decode steps,
+  each costed by compiling one decode step (`Sampler.lower_decode_step`);
+  every row is assumed to run to max_new_tokens (an upper bound);
+- update, reference forward, reference pass (layer scans): FLOPs are the
+  model FLOPs from the shapes (`bench.model_flops_per_step`: 6 (2 forward-only)
+  x matmul parameters x tokens + attention, plus one forward more with
+  remat), bytes the compiler's (a lower bound), so their time is the compute
+  bound;
+- collectives (all-gathers, reduce-scatters over ICI or DCN) are in neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+GIB = 2 ** 30
+
+# Cloud TPU documentation, one page per generation (the "System architecture"
+# / specifications table of each): https://cloud.google.com/tpu/docs/v4,
+# .../v5e, .../v5p, .../v6e. Per chip: HBM capacity, HBM bandwidth, peak
+# bf16 FLOP/s.
+SOURCE = ("Cloud TPU docs, per-chip specifications: cloud.google.com/tpu/docs/v4, "
+          "/v5e, /v5p, /v6e")
+_CHIPS = {  # generation: (topology prefix, chip config, HBM GiB, peak bf16 TFLOP/s, HBM GB/s)
+    "v4": ("v4", "megacore", 32, 275, 1200),
+    "v5e": ("v5e", "default", 16, 197, 819),
+    "v5p": ("v5p", "megacore", 95, 459, 2765),
+    "v6e": ("v6e", "default", 32, 918, 1640),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A Cloud TPU type: its chips and what each can do."""
+
+    name: str
+    generation: str
+    topology: str            # get_topology_desc's name, e.g. 'v4:2x2x1'
+    chips_per_host: tuple    # host bounds, e.g. (2, 2, 1)
+    chips: int
+    hosts: int
+    hbm_gib: float           # per chip
+    peak_flops: float        # bf16 FLOP/s per chip
+    hbm_bytes_per_s: float   # per chip
+
+    def devices(self) -> list:
+        """Abstract TPU devices of this topology (needs libtpu, no TPU)."""
+        # Several processes may plan at once (libtpu otherwise holds a lock
+        # file for the whole process lifetime); none of them touches a chip.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        from jax.experimental import topologies
+        prefix, chip_config = _CHIPS[self.generation][:2]
+        desc = topologies.get_topology_desc(
+            topology_name=self.topology, platform="tpu", chip_config_name=chip_config,
+            chips_per_host_bounds=self.chips_per_host, num_slices=1)
+        return list(desc.devices)
+
+
+def _topology(name, gen, grid, host, chips, hosts):
+    _, _, hbm, tflops, gbs = _CHIPS[gen]
+    return Topology(name, gen, f"{gen}:{grid}", host, chips, hosts, hbm, tflops * 1e12, gbs * 1e9)
+
+
+# Name -> topology. v4/v5p names count TensorCores (2 per chip, one JAX device
+# per chip with megacore); v5e/v6e names count chips; hosts hold 4 chips
+# (8 for single-host v5e/v6e slices).
+TOPOLOGIES = {t.name: t for t in (
+    _topology("v4-8", "v4", "2x2x1", (2, 2, 1), 4, 1),
+    _topology("v4-16", "v4", "2x2x2", (2, 2, 1), 8, 2),
+    _topology("v4-32", "v4", "2x2x4", (2, 2, 1), 16, 4),
+    _topology("v5e-4", "v5e", "2x2", (2, 2, 1), 4, 1),
+    _topology("v5e-8", "v5e", "2x4", (2, 4, 1), 8, 1),
+    _topology("v5e-16", "v5e", "4x4", (2, 2, 1), 16, 4),
+    _topology("v5e-32", "v5e", "4x8", (2, 2, 1), 32, 8),
+    _topology("v5p-8", "v5p", "2x2x1", (2, 2, 1), 4, 1),
+    _topology("v5p-16", "v5p", "2x2x2", (2, 2, 1), 8, 2),
+    _topology("v6e-4", "v6e", "2x2", (2, 2, 1), 4, 1),
+    _topology("v6e-8", "v6e", "2x4", (2, 4, 1), 8, 1),
+    _topology("v6e-16", "v6e", "4x4", (2, 2, 1), 16, 4),
+)}
+
+
+def topology(name: str) -> Topology:
+    key = name.strip().lower().replace("v5litepod", "v5e")
+    if key not in TOPOLOGIES:
+        raise ValueError(f"--topology {name!r} is not one of {sorted(TOPOLOGIES)} "
+                         "(v5litepod-N is v5e-N).")
+    return TOPOLOGIES[key]
+
+
+def libtpu_missing() -> str | None:
+    """None when the TPU compiler can be loaded, else why not (one sentence)."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return "libtpu is not installed (pip install -e '.[test]' or '.[tpu]')"
+    return None
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def _model_flops(model_cfg, rows: int, T: int, train: bool) -> float:
+    from erpo_jax.bench import model_flops_per_step
+    f = model_flops_per_step(model_cfg, rows, T)
+    if not train:
+        return f / 3
+    return f * (4 / 3 if model_cfg.remat else 1.0)
+
+
+def _measure(lowered, top: Topology, margin: float) -> dict:
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    secs = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    mem = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+           "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes,
+           "generated_code": m.generated_code_size_in_bytes}
+    peak = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
+    limit = top.hbm_gib * GIB * (1 - margin)
+    return {"compile_s": round(secs, 1), "bytes": mem, "peak_bytes": peak,
+            "peak_gib": peak / GIB, "limit_gib": limit / GIB, "fits": peak <= limit,
+            "xla_flops": float(cost.get("flops", 0.0)),
+            "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+
+
+def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print) -> dict:
+    """Compile every per-step program of `cfg` for `top`; the report (a dict)."""
+    from erpo_jax.distributed import plan_mesh
+    from erpo_jax.model.config import PRESETS, from_hf_config
+    from erpo_jax.model.hf import read_config
+    from erpo_jax.model.sharding import Sharding, make_mesh
+    from erpo_jax.train.config import validate
+    from erpo_jax.train.programs import Programs
+
+    devices = top.devices()
+    shape = plan_mesh(len(devices), len(devices) // top.hosts, *cfg.mesh.shape).shape
+    validate(cfg, len(devices))
+    mesh = make_mesh(shape, devices)
+    m = cfg.model
+    numerics = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
+                    scan_layers=m.scan_layers)
+    hf_dir = Path(m.path) if m.init in ("hf", "sft") else None
+    if hf_dir is not None and (hf_dir / "config.json").is_file():
+        model_cfg, shapes_from = from_hf_config(read_config(hf_dir), **numerics), str(hf_dir)
+    else:
+        if m.preset not in PRESETS:
+            raise ValueError(f"config field model.preset: {m.preset!r} is not one of "
+                             f"{sorted(PRESETS)} (and model.path has no config.json).")
+        model_cfg = dataclasses.replace(PRESETS[m.preset], **numerics)
+        shapes_from = f"preset {m.preset}"
+    # Token ids change no shape: any valid EOS and pad id compile the same programs.
+    progs = Programs(cfg, model_cfg, Sharding(mesh), eos_ids=(0,), pad_id=0)
+    chips = len(devices)
+    r, N = cfg.rollout, cfg.rollout.max_new_tokens
+    report = {"config": cfg.name, "topology": top.name, "tpu": dataclasses.asdict(top),
+              "source": SOURCE, "mesh": dict(zip(("data", "fsdp", "tensor"), shape)),
+              "chips": chips, "hosts": top.hosts, "model": shapes_from,
+              "params": model_cfg.num_params(), "margin": margin,
+              "notes": ["per chip; peak = arguments + outputs - aliased + temporaries + code",
+                        "collectives (ICI/DCN all-gathers, reduce-scatters) are not in the "
+                        "roofline", "estimated_ms is a roofline estimate, not a measurement",
+                        "XLA counts each loop body once; see `erpo_jax.plan` for the estimates"],
+              "programs": []}
+    for prog in progs.planned():
+        if only and prog.name not in only:
+            continue
+        say(f"compiling {prog.name} ({prog.shapes}) for {top.name} ...")
+        row = {"name": prog.name, "shapes": prog.shapes, **_measure(prog.lower(), top, margin)}
+        if prog.name in ("rollout", "eval greedy", "eval sampled"):
+            sampler = {"rollout": progs.sampler, "eval greedy": progs.eval_greedy,
+                       "eval sampled": progs.eval_sampled}[prog.name]
+            per_call = r.max_prompts_per_call or cfg.train.batch_size
+            step = _measure(sampler.lower_decode_step(progs.abstract_params(), per_call,
+                                                      cfg.data.max_prompt_len), top, margin)
+            row["decode_step"] = _decode_traffic(step, progs, prog.rows, model_cfg, mesh)
+            row["flops"] = row["xla_flops"] + (N - 1) * step["xla_flops"]
+            row["bytes_accessed"] = row["xla_bytes_accessed"] + (N - 1) * step["xla_bytes_accessed"]
+        else:
+            train = prog.name == "update"
+            T = prog.tokens // prog.rows
+            row["flops"] = _model_flops(model_cfg, prog.rows, T, train) / chips
+            row["bytes_accessed"] = row["xla_bytes_accessed"]
+        t_c, t_m = row["flops"] / top.peak_flops, row["bytes_accessed"] / top.hbm_bytes_per_s
+        row["estimated_ms"] = 1e3 * max(t_c, t_m)
+        row["bound"] = "compute" if t_c >= t_m else "memory"
+        if prog.name == "update":
+            model = _model_flops(model_cfg, prog.rows, prog.tokens // prog.rows, False) * 3
+            row["estimated_mfu"] = model / chips / top.peak_flops / (row["estimated_ms"] / 1e3)
+        report["programs"].append(row)
+        say(_line(row))
+    bad = [p for p in report["programs"] if not p["fits"]]
+    report["fits"] = not bad
+    report["verdict"] = ("every program fits" if not bad else " ".join(
+        f"The {p['name']} does not fit: it needs {p['peak_gib']:.2f} GiB per chip, "
+        f"{p['peak_gib'] - p['limit_gib']:.2f} GiB over the {p['limit_gib']:.2f} GiB usable "
+        f"({top.hbm_gib:g} GiB HBM less a {margin:.0%} margin)." for p in bad))
+    return report
+
+
+def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh) -> dict:
+    """One decode step's bytes accessed against the minimum: every weight and
+    the whole KV cache read once (per chip)."""
+    import math
+
+    import jax
+    params = progs.abstract_params()
+    weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                  for x in jax.tree_util.tree_leaves(params))
+    cd = 2 if model_cfg.compute_dtype == "bfloat16" else 4
+    cfg = progs.cfg
+    S = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens - 1
+    kv_heads_split = mesh.shape["tensor"] if model_cfg.num_kv_heads % mesh.shape["tensor"] == 0 \
+        else 1
+    data = progs.sharding.data_size
+    kv = (2 * model_cfg.num_layers * rows / data * S * model_cfg.num_kv_heads / kv_heads_split
+          * model_cfg.head_dim * cd)
+    minimum = weights + kv
+    return {"bytes_accessed": step["xla_bytes_accessed"], "minimum_bytes": minimum,
+            "weights_bytes": weights, "kv_cache_bytes": kv,
+            "ratio": step["xla_bytes_accessed"] / minimum, "flops": step["xla_flops"],
+            "peak_gib": step["peak_gib"], "compile_s": step["compile_s"]}
+
+
+def _line(p: dict) -> str:
+    s = (f"  {p['name']:<18} peak {p['peak_gib']:7.2f} / {p['limit_gib']:.2f} GiB  "
+         f"{'fits' if p['fits'] else 'DOES NOT FIT'}  {p['flops']:.3g} FLOP  "
+         f"~{p['estimated_ms']:.1f} ms ({p['bound']}-bound estimate)  "
+         f"compiled in {p['compile_s']:.0f} s")
+    if "estimated_mfu" in p:
+        s += f"  est. MFU {p['estimated_mfu']:.0%}"
+    if "decode_step" in p:
+        d = p["decode_step"]
+        s += (f"\n  {'':<18} one decode step reads {d['bytes_accessed'] / GIB:.2f} GiB vs "
+              f"{d['minimum_bytes'] / GIB:.2f} GiB minimum (weights + KV cache once): "
+              f"{d['ratio']:.2f}x")
+    return s
+
+
+def table(report: dict) -> str:
+    """The report as a markdown table (the BENCHMARKS.md format)."""
+    head = ("| program | shapes | peak GiB/chip | usable HBM GiB | fits | FLOPs/chip | "
+            "est. ms | bound | compile s |\n|---|---|---|---|---|---|---|---|---|")
+    rows = [f"| {p['name']} | {p['shapes']} | {p['peak_gib']:.2f} | {p['limit_gib']:.1f} | "
+            f"{'yes' if p['fits'] else '**no**'} | {p['flops']:.3g} | {p['estimated_ms']:.0f} | "
+            f"{p['bound']} | {p['compile_s']:.0f} |" for p in report["programs"]]
+    return "\n".join([head, *rows])
+
+
+# ----------------------------------------------------------------------------- --suggest
+
+
+def _fits(cfg, top, margin, names, say) -> bool:
+    rep = plan(cfg, top, margin, only=names, say=say)
+    return rep["fits"]
+
+
+def _bisect(values: list, ok, want_largest: bool):
+    """The largest (or smallest) of sorted `values` for which ok(v), assuming
+    ok is monotone (true below / above a threshold); None when none is."""
+    lo, hi, best = 0, len(values) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(values[mid]):
+            best = values[mid]
+            lo, hi = (mid + 1, hi) if want_largest else (lo, mid - 1)
+        else:
+            lo, hi = (lo, mid - 1) if want_largest else (mid + 1, hi)
+    return best
+
+
+def suggest(cfg, top: Topology, margin: float = 0.05, say=print) -> list[str]:
+    """Overrides: the largest rollout.max_prompts_per_call whose samplers fit and
+    the smallest optim.micro_batches whose update fits (compiling candidates)."""
+    from erpo_jax.distributed import plan_mesh
+    from erpo_jax.train.config import validate
+    n = top.chips
+    shape = plan_mesh(n, n // top.hosts, *cfg.mesh.shape).shape
+    dp = shape[0] * shape[1]
+    B, o = cfg.train.batch_size, cfg.optim
+    quiet = lambda s: None
+
+    def with_(section, **kw):
+        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                         **kw)})
+
+    calls = [k for k in range(dp, B + 1, dp)] or [B]
+    samplers = ("rollout", "eval greedy", "eval sampled")
+    best_calls = _bisect(calls, lambda k: _fits(with_("rollout", max_prompts_per_call=k), top,
+                                                margin, samplers, quiet), want_largest=True)
+    say(f"largest rollout.max_prompts_per_call that fits: {best_calls}")
+    queries = B // o.num_minibatches
+    micro = []
+    for k in range(1, queries + 1):
+        if queries % k == 0:
+            try:
+                validate(with_("optim", micro_batches=k), n)
+                micro.append(k)
+            except ValueError:
+                pass
+    best_micro = _bisect(micro, lambda k: _fits(with_("optim", micro_batches=k), top, margin,
+                                                ("update",), quiet), want_largest=False)
+    say(f"smallest optim.micro_batches that fits: {best_micro}")
+    out = []
+    if best_calls is not None:
+        out.append(f"rollout.max_prompts_per_call={best_calls}")
+    if best_micro is not None:
+        out.append(f"optim.micro_batches={best_micro}")
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="compile every per-step program for a Cloud TPU "
+                              "topology on this host and report memory, FLOPs, a roofline")
+    p.add_argument("--config", default=None, help="experiment file (.py with get_config) or .json")
+    p.add_argument("--cpu", action="store_true", help="use the file's get_cpu_config()")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    p.add_argument("--topology", required=True, help=f"one of {', '.join(TOPOLOGIES)}")
+    p.add_argument("--json", default=None, help="also write the report here")
+    p.add_argument("--margin", type=float, default=0.05,
+                   help="fraction of HBM kept free (runtime, fragmentation); default 0.05")
+    p.add_argument("--only", default="", help="comma-separated program names to compile "
+                   "(rollout, reference forward, update, eval greedy, eval sampled, "
+                   "reference pass); default all")
+    p.add_argument("--suggest", action="store_true", help="find the largest "
+                   "rollout.max_prompts_per_call and smallest optim.micro_batches that fit")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from erpo_jax.train.config import load_config
+    top = topology(args.topology)
+    missing = libtpu_missing()
+    if missing:
+        print(f"erpo plan: {missing}; it is what compiles for a TPU on this host.",
+              file=sys.stderr)
+        return 2
+    cfg = load_config(args.config, args.overrides, cpu=args.cpu)
+    print(f"{cfg.name} on {top.name}: {top.chips} chips on {top.hosts} host(s), "
+          f"{top.hbm_gib:g} GiB HBM, {top.peak_flops / 1e12:g} TFLOP/s bf16, "
+          f"{top.hbm_bytes_per_s / 1e9:g} GB/s per chip ({SOURCE})", flush=True)
+    only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+    report = plan(cfg, top, args.margin, only=only, say=lambda s: print(s, flush=True))
+    print("Per chip. Estimated ms: roofline max(FLOPs / peak, bytes / bandwidth), an "
+          "estimate; collectives are not in it.")
+    if args.suggest:
+        report["suggest"] = suggest(cfg, top, args.margin)
+        print("paste: " + " ".join(report["suggest"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if not report["fits"]:
+        print(f"erpo plan: {report['verdict']}", file=sys.stderr)
+        return 1
+    print(report["verdict"])
+    return 0

@@ -1,0 +1,87 @@
+"""`erpo plan`: the Trainer's programs compiled by XLA's TPU compiler for a
+small topology (v5e-4, 16 GiB per chip) on this CPU host, and its verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from erpo_jax import plan as plan_lib
+
+pytestmark = pytest.mark.skipif(plan_lib.libtpu_missing() is not None,
+                                reason=str(plan_lib.libtpu_missing()))
+
+ROOT = Path(__file__).resolve().parents[1]
+# A random tiny model, 4 prompts x 2 samples, 16 + 8 tokens, Policy-KL on (so
+# the reference forward is planned too) and pass@k sampling at evaluation.
+TINY = ["model.init=random", "model.preset=tiny", "train.batch_size=4",
+        "rollout.group_size=2", "data.max_prompt_len=16", "rollout.max_new_tokens=8",
+        "train.ref_batch_size=4", "loss.beta_policy=0.04", "train.eval_n=2",
+        "train.eval_k=1,2", "mesh.shape=1,-1,1"]
+
+
+def _cli(tmp_path, *args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "plan", "--topology", "v5e-4",
+                           "--json", str(out), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=1200)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_plan_compiles_every_program_of_a_tiny_run_for_v5e_4(tmp_path):
+    proc, rep = _cli(tmp_path, *TINY)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert rep["chips"] == 4 and rep["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert rep["tpu"]["hbm_gib"] == 16 and rep["fits"] is True
+    names = [p["name"] for p in rep["programs"]]
+    assert names == ["rollout", "reference forward", "update", "eval greedy", "eval sampled",
+                     "reference pass"]
+    assert any("collectives" in n for n in rep["notes"])
+    for p in rep["programs"]:
+        b = p["bytes"]
+        assert set(b) == {"argument", "output", "temp", "alias", "generated_code"}
+        assert p["peak_bytes"] == (b["argument"] + b["output"] - b["alias"] + b["temp"]
+                                   + b["generated_code"])
+        assert p["fits"] is True and p["peak_gib"] < p["limit_gib"] == pytest.approx(16 * 0.95)
+        assert p["flops"] > 0 and p["xla_flops"] > 0 and p["bytes_accessed"] > 0
+        assert p["estimated_ms"] == pytest.approx(1e3 * max(p["flops"] / 197e12,
+                                                            p["bytes_accessed"] / 819e9))
+    by = {p["name"]: p for p in rep["programs"]}
+    # The update donates its state: the aliased bytes are at least the
+    # parameters and two Adam moments of this chip's shard (float32).
+    params_per_chip = rep["params"] * 4 / 4
+    assert by["update"]["bytes"]["alias"] >= 3 * params_per_chip * 0.9
+    assert 0 < by["update"]["estimated_mfu"] <= 1
+    step = by["rollout"]["decode_step"]
+    # One decode step reads every weight and the whole KV cache at least once.
+    assert step["bytes_accessed"] >= step["minimum_bytes"] > 0
+    assert step["minimum_bytes"] == step["weights_bytes"] + step["kv_cache_bytes"]
+
+
+def test_plan_reports_an_oversized_rollout_as_not_fitting(tmp_path):
+    """32768 rows x 4095 cache slots of a float32 KV cache: 16 GiB per chip of
+    cache alone, more than a v5e chip's 16 GiB less the margin."""
+    big = [a for a in TINY if not a.startswith(("train.batch_size", "data.max_prompt_len",
+                                                "rollout.max_new_tokens"))]
+    proc, rep = _cli(tmp_path, *big, "train.batch_size=4096", "rollout.group_size=8",
+                     "data.max_prompt_len=2048", "rollout.max_new_tokens=2048",
+                     "--only", "rollout")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert [p["name"] for p in rep["programs"]] == ["rollout"]
+    (p,) = rep["programs"]
+    assert p["fits"] is False and p["peak_gib"] > p["limit_gib"]
+    assert "The rollout does not fit" in proc.stderr and "GiB over" in proc.stderr
+
+
+def test_topology_table_names_and_unknown_name():
+    t = plan_lib.topology("v5litepod-16")
+    assert (t.chips, t.hosts, t.hbm_gib) == (16, 4, 16)
+    assert {"v4-8", "v4-16", "v5e-8", "v5e-16", "v5p-8", "v6e-8"} <= set(plan_lib.TOPOLOGIES)
+    with pytest.raises(ValueError, match="v4-8"):
+        plan_lib.topology("v9-8")
