@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -91,21 +92,28 @@ def _topology(name, gen, grid, host, chips, hosts):
 
 # Name -> topology. v4/v5p names count TensorCores (2 per chip, one JAX device
 # per chip with megacore); v5e/v6e names count chips; hosts hold 4 chips
-# (8 for single-host v5e/v6e slices).
-TOPOLOGIES = {t.name: t for t in (
-    _topology("v4-8", "v4", "2x2x1", (2, 2, 1), 4, 1),
-    _topology("v4-16", "v4", "2x2x2", (2, 2, 1), 8, 2),
-    _topology("v4-32", "v4", "2x2x4", (2, 2, 1), 16, 4),
-    _topology("v5e-4", "v5e", "2x2", (2, 2, 1), 4, 1),
-    _topology("v5e-8", "v5e", "2x4", (2, 4, 1), 8, 1),
-    _topology("v5e-16", "v5e", "4x4", (2, 2, 1), 16, 4),
-    _topology("v5e-32", "v5e", "4x8", (2, 2, 1), 32, 8),
-    _topology("v5p-8", "v5p", "2x2x1", (2, 2, 1), 4, 1),
-    _topology("v5p-16", "v5p", "2x2x2", (2, 2, 1), 8, 2),
-    _topology("v6e-4", "v6e", "2x2", (2, 2, 1), 4, 1),
-    _topology("v6e-8", "v6e", "2x4", (2, 4, 1), 8, 1),
-    _topology("v6e-16", "v6e", "4x4", (2, 2, 1), 16, 4),
-)}
+# (8 for single-host v5e/v6e slices). Columns: name, chip grid, host bounds,
+# chips, hosts.
+_SLICES = """
+v4-8 2x2x1 2,2,1 4 1    v4-16 2x2x2 2,2,1 8 2    v4-32 2x2x4 2,2,1 16 4
+v5e-4 2x2 2,2,1 4 1     v5e-8 2x4 2,4,1 8 1      v5e-16 4x4 2,2,1 16 4    v5e-32 4x8 2,2,1 32 8
+v5p-8 2x2x1 2,2,1 4 1   v5p-16 2x2x2 2,2,1 8 2
+v6e-4 2x2 2,2,1 4 1     v6e-8 2x4 2,4,1 8 1      v6e-16 4x4 2,2,1 16 4
+"""
+
+
+def _parse_slices(text: str) -> dict:
+    words = text.split()
+    out = {}
+    for i in range(0, len(words), 5):
+        name, grid, host, chips, hosts = words[i:i + 5]
+        gen = name.split("-")[0]
+        out[name] = _topology(name, gen, grid, tuple(int(x) for x in host.split(",")),
+                              int(chips), int(hosts))
+    return out
+
+
+TOPOLOGIES = _parse_slices(_SLICES)
 
 
 def topology(name: str) -> Topology:
@@ -136,9 +144,28 @@ def _model_flops(model_cfg, rows: int, T: int, train: bool) -> float:
     return f * (4 / 3 if model_cfg.remat else 1.0)
 
 
+_OOM = re.compile(r"RESOURCE_EXHAUSTED: .*?required for (.+?) \(([\d.]+)([KMGT])\) exceeds "
+                  r"available HBM \(([\d.]+)([KMGT])\)", re.S)
+_UNIT = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
 def _measure(lowered, top: Topology, margin: float) -> dict:
+    """The compiled program's memory and cost; when the compiler itself refuses
+    (more than the chip's HBM), its own numbers, with `fits` false."""
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - only the TPU compiler's out-of-memory is a verdict
+        m = _OOM.search(str(e))
+        if m is None:
+            raise
+        need = float(m.group(2)) * _UNIT[m.group(3)]
+        return {"compile_s": round(time.perf_counter() - t0, 1), "bytes": None,
+                "peak_bytes": need, "peak_gib": need / GIB,
+                "limit_gib": top.hbm_gib * (1 - margin), "fits": False,
+                "compiler_error": f"{m.group(1)} need {m.group(2)}{m.group(3)}, the compiler "
+                                  f"allows {m.group(4)}{m.group(5)}",
+                "xla_flops": None, "xla_bytes_accessed": None}
     secs = time.perf_counter() - t0
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -197,6 +224,10 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print) 
             continue
         say(f"compiling {prog.name} ({prog.shapes}) for {top.name} ...")
         row = {"name": prog.name, "shapes": prog.shapes, **_measure(prog.lower(), top, margin)}
+        if row["xla_flops"] is None:   # the compiler refused it: no cost to estimate
+            report["programs"].append(row)
+            say(f"  {prog.name:<18} DOES NOT FIT: {row['compiler_error']}")
+            continue
         if prog.name in ("rollout", "eval greedy", "eval sampled"):
             sampler = {"rollout": progs.sampler, "eval greedy": progs.eval_greedy,
                        "eval sampled": progs.eval_sampled}[prog.name]
@@ -271,9 +302,11 @@ def table(report: dict) -> str:
     """The report as a markdown table (the BENCHMARKS.md format)."""
     head = ("| program | shapes | peak GiB/chip | usable HBM GiB | fits | FLOPs/chip | "
             "est. ms | bound | compile s |\n|---|---|---|---|---|---|---|---|---|")
+    num = lambda p, k, f: format(p[k], f) if p.get(k) is not None else "-"
     rows = [f"| {p['name']} | {p['shapes']} | {p['peak_gib']:.2f} | {p['limit_gib']:.1f} | "
-            f"{'yes' if p['fits'] else '**no**'} | {p['flops']:.3g} | {p['estimated_ms']:.0f} | "
-            f"{p['bound']} | {p['compile_s']:.0f} |" for p in report["programs"]]
+            f"{'yes' if p['fits'] else '**no**'} | {num(p, 'flops', '.3g')} | "
+            f"{num(p, 'estimated_ms', '.0f')} | {p.get('bound', '-')} | {p['compile_s']:.0f} |"
+            for p in report["programs"]]
     return "\n".join([head, *rows])
 
 
@@ -342,9 +375,13 @@ def suggest(cfg, top: Topology, margin: float = 0.05, say=print) -> list[str]:
 # ----------------------------------------------------------------------------- CLI
 
 
+NO_FIT = 3   # the exit status when a program does not fit (1 stays a crash)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="compile every per-step program for a Cloud TPU "
-                              "topology on this host and report memory, FLOPs, a roofline")
+                              "topology on this host and report memory, FLOPs, a roofline "
+                              "(exit status 3 when a program does not fit)")
     p.add_argument("--config", default=None, help="experiment file (.py with get_config) or .json")
     p.add_argument("--cpu", action="store_true", help="use the file's get_cpu_config()")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides")
@@ -385,6 +422,6 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if not report["fits"]:
         print(f"erpo plan: {report['verdict']}", file=sys.stderr)
-        return 1
+        return NO_FIT
     print(report["verdict"])
     return 0

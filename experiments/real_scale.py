@@ -67,12 +67,11 @@ scheme) come from `erpo_jax.demo.arith_rl_config`, the same as the CPU
 experiments: they are not tuned at this scale. The step count (200, about two
 passes over 12k prompts) is ours.
 
-Memory (per chip, parameters + grads + Adam in float32, 16 bytes/param, fsdp
-over the whole slice): 1.5B on 4 v4 chips about 6.2 GB of 32 GiB; 7.6B on 16
-v5e chips about 7.6 GB of 16 GiB. The KV cache of a whole rollout (1024 rows
-x 4096 positions, bfloat16) would be about 120 GB (1.5B) / 240 GB (7B), so the
-rollout samples 16 prompts (128 rows) per call (`rollout.max_prompts_per_call`):
-about 15 GB (1.5B, 3.8 GB per v4 chip) / 30 GB (7B, 1.9 GB per v5e chip).
+Memory: `erpo plan` compiles every program of these configs with XLA's TPU
+compiler (on a CPU host) and reports the per-chip peak against HBM; its
+tables are in experiments/BENCHMARKS.md (section 5). The rollout samples 16
+prompts (128 rows) per call (`rollout.max_prompts_per_call`): the KV cache of
+a whole 1024-row rollout would be about 120 GB (1.5B) / 240 GB (7B).
 """
 
 from __future__ import annotations
