@@ -155,9 +155,12 @@ def sweep(cpu: bool = False) -> dict[str, RunConfig]:
 
 
 def accelerator(cfg: RunConfig) -> str:
-    """The TPU type a real-scale config is laid out for (its name starts with the model key)."""
-    key = max((k for k in MODELS if cfg.name.startswith(k + "-")), key=len)
-    return MODELS[key][2]
+    """The TPU type a real-scale config is laid out for: by its name's model key
+    (e.g. '7b-v5p-erpo'), else the first model of its preset."""
+    keys = [k for k in MODELS if cfg.name.startswith(k + "-")]
+    if keys:
+        return MODELS[max(keys, key=len)][2]
+    return next(acc for preset, _, acc, _, _ in MODELS.values() if preset == cfg.model.preset)
 
 
 def get_config_7b() -> RunConfig:
