@@ -59,11 +59,11 @@ def _eval(args) -> int:
 
     import jax
 
-    from erpo_jax import compile_cache
+    from erpo_jax.runtime import compile_cache
     from erpo_jax.train.evaluate import Evaluator, write_eval
     from erpo_jax.train.policy import build_sharding, load_policy
     from erpo_jax.train.tasks import load_task
-    from erpo_jax import rundir
+    from erpo_jax.runtime import rundir
     from erpo_jax.train.config import validate
     cfg = _load(args)
     if args.checkpoint:
@@ -87,7 +87,7 @@ def _eval(args) -> int:
 
 
 def _demo(args) -> int:
-    from erpo_jax.demo import run_demo
+    from erpo_jax.tools.demo import run_demo
     return run_demo(args)
 
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="an HF-format model directory to evaluate")
     p.add_argument("--out", default=None, help="where to write the results")
     p.set_defaults(func=_eval)
-    from erpo_jax import bench, plan, report, sweep
+    from erpo_jax.tools import bench, plan, report, sweep
     from erpo_jax.train.inspect_grads import add_parser as add_inspect
     add_inspect(sub)
     report.add_parser(sub)

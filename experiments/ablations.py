@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from erpo_jax.sweep import load_experiment
+from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import RunConfig, apply_overrides
 
 main = load_experiment(Path(__file__).with_name("main_comparison.py"))

@@ -9,7 +9,7 @@
 #
 # It makes its own venv (so the CPU venv is untouched), installs the project with
 # jax[$CUDA], checks that JAX sees a GPU (and stops if not), runs
-# `python -m erpo_jax.bench --gpu`, and appends the table to BENCHMARKS.md.
+# `python -m erpo_jax.tools.bench --gpu`, and appends the table to BENCHMARKS.md.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ print("JAX", jax.__version__, "on", gpus[0].device_kind, f"x{len(gpus)}")
 PY
 
 # One device: the numbers are per chip.
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$VENV/bin/python" -m erpo_jax.bench --gpu \
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$VENV/bin/python" -m erpo_jax.tools.bench --gpu \
     --gpu-preset "$PRESET" --gpu-rows "$ROWS" --gpu-T "$T" --gpu-new-tokens "$NEW_TOKENS" \
     --out "$OUT" 2>&1 | tee "$LOG"
 

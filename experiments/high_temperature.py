@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from erpo_jax.demo import METHODS
-from erpo_jax.sweep import load_experiment
+from erpo_jax.tools.demo import METHODS
+from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import RunConfig
 
 main = load_experiment(Path(__file__).with_name("main_comparison.py"))

@@ -11,7 +11,7 @@ Real scale (Qwen2.5-Math-1.5B on a TPU v4-8):
 Variants: the main comparison's three methods with `train.steps` times 4,
 evaluated at the main comparison's interval (so 4x as many evaluations) and
 checkpointed at least every main budget. A collapse is counted by the report
-(see erpo_jax/report.py): an evaluation more than COLLAPSE_DROP below the
+(see erpo_jax/tools/report.py): an evaluation more than COLLAPSE_DROP below the
 run's best so far, or response entropy below ENTROPY_FLOOR. Runs go to
 runs/long_horizon/<variant>/seed<k>.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from erpo_jax.demo import METHODS
-from erpo_jax.sweep import load_experiment
+from erpo_jax.tools.demo import METHODS
+from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import RunConfig
 
 main = load_experiment(Path(__file__).with_name("main_comparison.py"))

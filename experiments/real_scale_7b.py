@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from erpo_jax.sweep import load_experiment
+from erpo_jax.tools.sweep import load_experiment
 
 real_scale = load_experiment(Path(__file__).with_name("real_scale.py"))
 

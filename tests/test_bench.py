@@ -6,7 +6,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import bench
+from erpo_jax.tools import bench
 from erpo_jax.model.config import PRESETS
 
 

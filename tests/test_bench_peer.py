@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 
-from erpo_jax import bench, bench_peer
+from erpo_jax.tools import bench, bench_peer
 
 FAKE_PEER = """
 import os, sys

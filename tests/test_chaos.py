@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from erpo_jax import rundir
+from erpo_jax.runtime import rundir
 
 K = int(os.environ.get("ERPO_JAX_CHAOS_K", "2"))
 SEED = int(os.environ.get("ERPO_JAX_CHAOS_SEED", str(random.SystemRandom().randrange(10**6))))

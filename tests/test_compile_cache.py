@@ -8,7 +8,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from erpo_jax import bench, compile_cache
+from erpo_jax.runtime import compile_cache
+from erpo_jax.tools import bench
 
 
 def test_resolve(monkeypatch):

@@ -24,7 +24,7 @@ import pytest
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from erpo_jax import distributed as D
+from erpo_jax.runtime import distributed as D
 from erpo_jax.model import model as M
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, make_mesh

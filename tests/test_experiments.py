@@ -16,10 +16,10 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
-from erpo_jax import sweep as sweep_lib
-from erpo_jax.demo import METHODS
+from erpo_jax.tools import sweep as sweep_lib
+from erpo_jax.tools.demo import METHODS
 from erpo_jax.train.methods import resolve_method
-from erpo_jax.distributed import abstract_mesh_shape, plan_mesh
+from erpo_jax.runtime.distributed import abstract_mesh_shape, plan_mesh
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import PRESETS
 from erpo_jax.model.sharding import MESH_AXES, Sharding
@@ -215,7 +215,7 @@ TINY_EXPERIMENT = '''
 
     erpo sweep {path} --seeds 0
 """
-from erpo_jax.sweep import load_experiment
+from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import apply_overrides
 
 main = load_experiment({main!r})

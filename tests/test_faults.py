@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from erpo_jax import cli, rundir
+from erpo_jax import cli
+from erpo_jax.runtime import rundir
 from erpo_jax.train import loop
 from erpo_jax.train.config import load_config
 from erpo_jax.train.loop import train

@@ -9,7 +9,7 @@ import pytest
 PROBE = r"""
 import resource, sys
 import erpo_jax
-from erpo_jax import host_malloc
+from erpo_jax.runtime import host_malloc
 import jax, jax.numpy as jnp
 
 @jax.jit

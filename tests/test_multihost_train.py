@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from erpo_jax.distributed import LAUNCH_ENV
+from erpo_jax.runtime.distributed import LAUNCH_ENV
 from erpo_jax.train.config import load_config
 from erpo_jax.train.loop import train
 from workers import kill_workers, wait_for_workers

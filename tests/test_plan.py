@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from erpo_jax import plan as plan_lib
+from erpo_jax.tools import plan as plan_lib
 
 pytestmark = pytest.mark.skipif(plan_lib.libtpu_missing() is not None,
                                 reason=str(plan_lib.libtpu_missing()))

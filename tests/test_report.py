@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from erpo_jax import report
+from erpo_jax.tools import report
 
 SETS = ("add", "mul")
 

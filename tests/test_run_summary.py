@@ -1,4 +1,4 @@
-"""Run summaries (erpo_jax/run_summary.py): `erpo report` over the small
+"""Run summaries (erpo_jax/tools/run_summary.py): `erpo report` over the small
 committed files makes the same tables as over the run directories."""
 
 import argparse
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from erpo_jax import report, run_summary
+from erpo_jax.tools import report, run_summary
 
 
 def _write_run(path, name, seed, steps=240):

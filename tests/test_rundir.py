@@ -10,7 +10,8 @@ import warnings
 import numpy as np
 import pytest
 
-from erpo_jax import report, rundir, sweep
+from erpo_jax.runtime import rundir
+from erpo_jax.tools import report, sweep
 from erpo_jax.train.config import RunConfig, config_dict, load_config, normalized
 from erpo_jax.train.evaluate import keep_evals, write_eval
 from erpo_jax.train.metrics import MetricsWriter, read_metrics

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from erpo_jax import distributed as D
+from erpo_jax.runtime import distributed as D
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "tpu_setup"

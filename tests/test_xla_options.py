@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from erpo_jax import xla_options
+from erpo_jax.runtime import xla_options
 
 
 def test_levels_and_override(monkeypatch):

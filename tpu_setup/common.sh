@@ -115,7 +115,7 @@ require_settings() {
 }
 
 # tpu_hosts TYPE: the number of hosts (workers) of a slice. Mirrors
-# erpo_jax.distributed.abstract_mesh_shape (the tests check they agree): for
+# erpo_jax.runtime.distributed.abstract_mesh_shape (the tests check they agree): for
 # v2-v5p the number counts TensorCores (2 per chip, 4 chips per host); for
 # v5e/v6e it counts chips (up to 8 on one host, else 4 per host).
 tpu_hosts() {

@@ -14,7 +14,7 @@ every worker, in the background (nohup), each writing its own log
 logs/NAME.worker-<N>.log on that worker (watch with logs.sh). OVERRIDEs are the
 trainer's dotted settings, e.g. train.out_dir=gs://bucket/runs/x.
 
-Every worker gets ERPO_MULTIHOST=1, so erpo_jax.distributed.maybe_initialize()
+Every worker gets ERPO_MULTIHOST=1, so erpo_jax.runtime.distributed.maybe_initialize()
 calls jax.distributed.initialize(), which on Cloud TPU finds the other workers
 by itself. --explicit instead starts each worker separately with
 JAX_COORDINATOR_ADDRESS (worker 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID set,

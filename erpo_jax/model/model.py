@@ -39,7 +39,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from erpo_jax import xla_options
+from erpo_jax.runtime import xla_options
 from erpo_jax.model import attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.dense import dense

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import rundir, xla_options
-from erpo_jax.distributed import broadcast_from_primary, to_host
+from erpo_jax.runtime import rundir, xla_options
+from erpo_jax.runtime.distributed import broadcast_from_primary, to_host
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import xla_options
+from erpo_jax.runtime import xla_options
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding

@@ -183,7 +183,7 @@ class TrainSection:
     # background thread while the reference pass runs (single-process runs).
     compile_ahead: bool = True
     # JAX's persistent compilation cache: 'auto' ($ERPO_JAX_COMPILE_CACHE, else
-    # ~/.cache/erpo_jax/jax_cache/<machine>), 'off', or a directory (see erpo_jax.compile_cache).
+    # ~/.cache/erpo_jax/jax_cache/<machine>), 'off', or a directory (see erpo_jax.runtime.compile_cache).
     compile_cache: str = "auto"
 
 
@@ -255,7 +255,7 @@ def _validate_ranges(cfg: RunConfig) -> None:
         _fail("mesh.shape", f"must have 3 entries (data, fsdp, tensor), got {cfg.mesh.shape}.")
     if any(s == 0 or s < -1 for s in cfg.mesh.shape):
         _fail("mesh.shape", f"entries must be positive or -1 (the rest), got {cfg.mesh.shape}.")
-    from erpo_jax.rundir import is_remote
+    from erpo_jax.runtime.rundir import is_remote
     if is_remote(t.out_dir) and t.tensorboard:
         _fail("train.tensorboard", f"TensorBoard events are written to local run directories "
               f"only; set train.tensorboard=false for train.out_dir={t.out_dir}.")
@@ -468,7 +468,7 @@ def normalized(data: dict) -> dict:
 
 
 def save_config(cfg: RunConfig, path) -> None:
-    from erpo_jax.rundir import write_json
+    from erpo_jax.runtime.rundir import write_json
     write_json(path, config_dict(cfg), indent=2, sort_keys=True)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
-from erpo_jax import rundir
+from erpo_jax.runtime import rundir
 from erpo_jax.train.config import RunConfig
 from erpo_jax.train.tasks import Task
 

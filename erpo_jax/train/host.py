@@ -7,7 +7,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from erpo_jax.distributed import to_host
+from erpo_jax.runtime.distributed import to_host
 
 
 def sample(sampler, params, prompts: Sequence[Sequence[int]], key: jax.Array,

@@ -101,7 +101,7 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
     """The gradient report of run `cfg`'s loss for the policy at `checkpoint`,
     on the real batch described in the module docstring; report['source']
     says what it ran on."""
-    from erpo_jax import compile_cache
+    from erpo_jax.runtime import compile_cache
     from erpo_jax.data.iterator import QueryBatchIterator
     from erpo_jax.rl import reference as ref_lib
     from erpo_jax.rl.advantages import gae

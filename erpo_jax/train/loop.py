@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import compile_cache, xla_options
+from erpo_jax.runtime import compile_cache, xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import advantages as adv_lib
@@ -30,13 +30,13 @@ from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_ba
 from erpo_jax.rl.query_kl import query_kl
 from erpo_jax.rl.shaping import per_response
 from erpo_jax.rollout.sampler import rollout_key
-from erpo_jax import rundir
+from erpo_jax.runtime import rundir
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.methods import describe as describe_method
-from erpo_jax.distributed import to_host
+from erpo_jax.runtime.distributed import to_host
 from erpo_jax.train.host import sample
 from erpo_jax.train.metrics import MetricsWriter
 from erpo_jax.train.policy import (MODEL_SUBDIR, build_sharding, check_finite, export_policy,

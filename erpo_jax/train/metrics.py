@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from erpo_jax import rundir
+from erpo_jax.runtime import rundir
 
 
 def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -15,7 +15,7 @@ from erpo_jax.model.config import PRESETS
 from erpo_jax.model.hf import export_hf, load_hf
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.train.config import RunConfig
-from erpo_jax import rundir
+from erpo_jax.runtime import rundir
 from erpo_jax.train.tasks import Tokenizer, load_tokenizer
 
 MODEL_SUBDIR = "model"   # <out_dir>/model: the exported policy of `erpo sft` and `erpo train`
@@ -24,7 +24,7 @@ MODEL_SUBDIR = "model"   # <out_dir>/model: the exported policy of `erpo sft` an
 def build_sharding(cfg: RunConfig) -> Sharding:
     """Join the multi-host run if the environment says so, then build the mesh
     of `cfg.mesh.shape` with each host owning a contiguous block of the batch."""
-    from erpo_jax import distributed
+    from erpo_jax.runtime import distributed
     distributed.maybe_initialize()
     data, fsdp, tensor = cfg.mesh.shape
     return Sharding(distributed.mesh_for(data=data, fsdp=fsdp, tensor=tensor))

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import compile_cache, xla_options
+from erpo_jax.runtime import compile_cache, xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
-from erpo_jax import rundir
+from erpo_jax.runtime import rundir
 from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.metrics import MetricsWriter

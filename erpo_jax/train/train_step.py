@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from erpo_jax import xla_options
+from erpo_jax.runtime import xla_options
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding

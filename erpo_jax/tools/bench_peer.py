@@ -46,7 +46,7 @@ _WALL_LINE = "per-iteration wall (s):"
 
 _OURS = """
 import json, sys
-from erpo_jax import bench
+from erpo_jax.tools import bench
 r = bench.rl_iteration(**json.loads(sys.argv[1]))
 print("RESULT " + json.dumps(r))
 """
@@ -55,7 +55,7 @@ print("RESULT " + json.dumps(r))
 def default_paths() -> tuple[Path, Path]:
     """(peer script, peer venv's python): `$ERPO_PEERS_DIR` or ../shared/peers beside
     the checkout, and `$TUNIX_VENV` or the place setup_tunix.sh uses."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     peers = Path(os.environ.get("ERPO_PEERS_DIR", repo.parent / "shared" / "peers"))
     venv = Path(os.environ.get("TUNIX_VENV",
                                Path.home() / ".cache" / "erpo-peers" / "tunix-venv"))
@@ -107,7 +107,7 @@ def run_peer(size: str, iters: int, script: Path, python: Path, timeout: float =
 
 def run_ours(size: str, iters: int, timeout: float = 1800) -> dict:
     spec = {**CONFIGS[size], **MATCH, "name": size, "iters": iters, "mesh": (1, 1, 1)}
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run([sys.executable, "-c", _OURS, json.dumps(spec)], capture_output=True,
                           text=True, timeout=timeout,
                           env=_clean_env(PYTHONPATH=repo, ERPO_JAX_COMPILE_CACHE="off"))
@@ -123,7 +123,7 @@ def run_ours(size: str, iters: int, timeout: float = 1800) -> dict:
 
 
 def update_flops(size: str) -> float:
-    from erpo_jax.bench import model_flops_per_step
+    from erpo_jax.tools.bench import model_flops_per_step
     c = CONFIGS[size]
     return model_flops_per_step(PRESETS[c["preset"]], c["prompts"] * c["group"],
                                 c["prompt_len"] + c["new_tokens"])

@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from erpo_jax import rundir
+from erpo_jax.runtime import rundir
 
 import numpy as np
 
@@ -44,7 +44,7 @@ def load_run(run_dir) -> dict[str, Any]:
     or a run summary file (`run_summary.py`); a torn last line (an interrupted
     write) is skipped with a warning."""
     if str(run_dir).endswith(".json") and rundir.path(run_dir).is_file():
-        from erpo_jax.run_summary import load_summary
+        from erpo_jax.tools.run_summary import load_summary
         return load_summary(run_dir)
     run_dir = rundir.path(run_dir)
     cfg_path = run_dir / "config.json"
@@ -400,7 +400,7 @@ def _run(args: argparse.Namespace) -> int:
                         entropy_floor=args.entropy_floor, comparisons=comparisons)
     print(path)
     if args.write_summaries:
-        from erpo_jax.run_summary import write_summaries
+        from erpo_jax.tools.run_summary import write_summaries
         for p in write_summaries([load_run(d) for d in dirs], args.write_summaries):
             print(p)
     return 0

@@ -92,7 +92,7 @@ def _sft_done(cfg: RunConfig) -> bool:
 
 
 def run_demo(args) -> int:
-    from erpo_jax.report import load_run, markdown, plot
+    from erpo_jax.tools.report import load_run, markdown, plot
     from erpo_jax.train.loop import train
     from erpo_jax.train.sft import run_sft
 

@@ -137,7 +137,7 @@ def libtpu_missing() -> str | None:
 
 
 def _model_flops(model_cfg, rows: int, T: int, train: bool) -> float:
-    from erpo_jax.bench import model_flops_per_step
+    from erpo_jax.tools.bench import model_flops_per_step
     f = model_flops_per_step(model_cfg, rows, T)
     if not train:
         return f / 3
@@ -183,7 +183,7 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
 
 def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print) -> dict:
     """Compile every per-step program of `cfg` for `top`; the report (a dict)."""
-    from erpo_jax.distributed import plan_mesh
+    from erpo_jax.runtime.distributed import plan_mesh
     from erpo_jax.model.config import PRESETS, from_hf_config
     from erpo_jax.model.hf import read_config
     from erpo_jax.model.sharding import Sharding, make_mesh
@@ -217,7 +217,7 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print) 
               "notes": ["per chip; peak = arguments + outputs - aliased + temporaries + code",
                         "collectives (ICI/DCN all-gathers, reduce-scatters) are not in the "
                         "roofline", "estimated_ms is a roofline estimate, not a measurement",
-                        "XLA counts each loop body once; see `erpo_jax.plan` for the estimates"],
+                        "XLA counts each loop body once; see `erpo_jax.tools.plan` for the estimates"],
               "programs": []}
     for prog in progs.planned():
         if only and prog.name not in only:
@@ -335,7 +335,7 @@ def _bisect(values: list, ok, want_largest: bool):
 def suggest(cfg, top: Topology, margin: float = 0.05, say=print) -> list[str]:
     """Overrides: the largest rollout.max_prompts_per_call whose samplers fit and
     the smallest optim.micro_batches whose update fits (compiling candidates)."""
-    from erpo_jax.distributed import plan_mesh
+    from erpo_jax.runtime.distributed import plan_mesh
     from erpo_jax.train.config import validate
     n = top.chips
     shape = plan_mesh(n, n // top.hosts, *cfg.mesh.shape).shape

@@ -139,7 +139,7 @@ def maybe_initialize(environ: Mapping[str, str] | None = None, *,
         if "before" in str(e).lower():
             raise RuntimeError(
                 "jax.distributed could not start because JAX was already used in this "
-                "process; call erpo_jax.distributed.maybe_initialize() before anything "
+                "process; call erpo_jax.runtime.distributed.maybe_initialize() before anything "
                 f"asks for devices ({env.reason} asked for a multi-host run).") from e
         raise
     return env
@@ -392,7 +392,7 @@ def feed_slice(sharding: NamedSharding, global_shape: int | Sequence[int]) -> Fe
     if len(rows) != size or global_batch_size % size or start % size:
         raise ValueError(f"process {jax.process_index()} holds rows {sorted(rows)} of a "
                          f"batch of {global_batch_size}, not one aligned contiguous block; "
-                         "build the mesh with erpo_jax.distributed.mesh_for.")
+                         "build the mesh with erpo_jax.runtime.distributed.mesh_for.")
     return FeedSlice(start, stop, start // size, global_batch_size // size)
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterable
 
-from erpo_jax import rundir
+from erpo_jax.runtime import rundir
 from erpo_jax.train.config import (RunConfig, apply_overrides, config_dict, from_dict,
                                    load_experiment, save_config, validate)
 from erpo_jax.train.methods import resolve_method
@@ -245,7 +245,7 @@ def _subprocess(kind: str, cfg: RunConfig, log: Path, runs_root: Path) -> int:
 def sft_prerequisite(runs: list[Run]) -> RunConfig | None:
     """The shared CPU SFT config if some run needs it and it is absent; raises if a
     run needs an SFT model that is absent and that this runner does not know."""
-    from erpo_jax.demo import arith_sft_config
+    from erpo_jax.tools.demo import arith_sft_config
     from erpo_jax.train.sft import MODEL_SUBDIR
     sft = arith_sft_config()
     known = Path(sft.train.out_dir) / MODEL_SUBDIR
@@ -352,7 +352,7 @@ def finished_run_dirs(exp_dir: str | Path) -> list[Path]:
 
 def report(exp_dir: str | Path, mod: ModuleType | None = None) -> Path | None:
     """REPORT.md and PNGs of every finished run of an experiment, in `<exp_dir>/report`."""
-    from erpo_jax.report import write_report
+    from erpo_jax.tools.report import write_report
     exp_dir = Path(exp_dir)
     dirs = finished_run_dirs(exp_dir)
     if not dirs:
@@ -415,7 +415,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m erpo_jax.sweep", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m erpo_jax.tools.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _arguments(p)
     return _run(p.parse_args(argv))

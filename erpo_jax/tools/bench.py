@@ -1,9 +1,9 @@
 """`erpo bench`: what a step, a rollout and an RL iteration cost, side by side in one run.
 
-    python -m erpo_jax.bench --quick --out bench.json     # under a minute on 2 CPU cores
-    python -m erpo_jax.bench --out bench.json             # full grid (the medium RL iteration
+    python -m erpo_jax.tools.bench --quick --out bench.json     # under a minute on 2 CPU cores
+    python -m erpo_jax.tools.bench --out bench.json             # full grid (the medium RL iteration
                                                           # alone takes many minutes on CPU)
-    python -m erpo_jax.bench --gpu --out gpu.json         # 0.5B-shaped bf16 model (GPU/TPU)
+    python -m erpo_jax.tools.bench --gpu --out gpu.json         # 0.5B-shaped bf16 model (GPU/TPU)
 
 Sections (each row of the JSON carries the peak host RSS of the process so far):
 
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax import xla_options
+from erpo_jax.runtime import xla_options
 from erpo_jax.model.config import PRESETS, ModelConfig
 from erpo_jax.rl.loss import LossConfig
 
@@ -352,7 +352,7 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
 _CHILD = """
 import json, sys
 from jax import monitoring
-from erpo_jax import bench
+from erpo_jax.tools import bench
 counts = {"cache_hits": 0, "cache_misses": 0}
 def count(name, **kw):
     key = name.rsplit("/", 1)[-1]
@@ -523,7 +523,7 @@ def _print_tables(res: dict) -> None:
                   f"{x['steady_iter_s']:>10.4f}{x['process_s']:>11.1f}"
                   f"{x['cache_hits']:>6}{x['cache_misses']:>8}{x['files_written']:>9}")
     if res.get("peer"):
-        from erpo_jax import bench_peer
+        from erpo_jax.tools import bench_peer
         bench_peer.print_table(res["peer"])
     mem = res.get("memory") or []
     if mem:
@@ -574,7 +574,7 @@ def run_bench(mode: str = "quick", sections=SECTIONS, with_hf: bool = True,
         res["sampler"] = bench_sampler(**m["sampler"], with_hf=with_hf, verbose=False)
         res["sampler"]["peak_rss_mib"] = peak_rss_mib()
     if "rl_iteration" in sections and peer is not None:
-        from erpo_jax import bench_peer
+        from erpo_jax.tools import bench_peer
         say("RL iteration vs the peer (fresh processes, interleaved) ...")
         res["peer"] = bench_peer.compare(**peer, peak_flops=peak["flops_per_s"], say=say)
     elif "rl_iteration" in sections:
@@ -676,7 +676,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="write a perfetto trace of one MFU update here")
     p.add_argument("--peer", choices=["tunix"], default=None,
                    help="rl_iteration side by side with google-tunix on its configs "
-                        "(erpo_jax/bench_peer.py)")
+                        "(erpo_jax/tools/bench_peer.py)")
     p.add_argument("--peer-sizes", nargs="+", choices=["tiny", "small"],
                    default=["tiny", "small"])
     p.add_argument("--peer-reps", type=int, default=3, help="interleaved repetitions")

@@ -1,0 +1,1 @@
+"""Tools over the library: benchmarks, TPU plans, sweeps, reports and the demo."""
