@@ -208,7 +208,8 @@ def load_jsonl(
                     continue
                 raise BadRowError(
                     f"{path}:{line_no}: byte {e.start} is not UTF-8 ({e.reason}); re-encode "
-                    "the file as UTF-8 or load with skip_bad_rows=True"
+                    "the file as UTF-8, or skip bad rows (data.skip_bad_rows=true; "
+                    "skip_bad_rows=True in Python)"
                 ) from None
             if not line.strip():
                 continue
@@ -229,7 +230,8 @@ def load_jsonl(
                     skipped += 1
                     continue
                 raise BadRowError(
-                    f"{path}:{line_no}: {e}; fix the row or load with skip_bad_rows=True"
+                    f"{path}:{line_no}: {e}; fix the row, or skip bad rows "
+                    "(data.skip_bad_rows=true; skip_bad_rows=True in Python)"
                 ) from e
             row_id = row[id_field] if id_field else row_number
             problems.append(Problem(f"{source}/{row_id}", question, answer, source, worked))
@@ -373,7 +375,7 @@ def load_gsm8k_tfds(
                 continue
             raise BadRowError(
                 f"gsm8k {split} (TFDS, {data_dir}) record {i} (line {line}): {e!r}; "
-                "load with skip_bad_rows=True to skip it"
+                "skip bad rows with data.skip_bad_rows=true (skip_bad_rows=True in Python)"
             ) from e
         problems.append(Problem(f"gsm8k/{line}", question, answer, "gsm8k"))
     return LoadResult(problems, skipped)

@@ -82,17 +82,25 @@ class Checkpointer:
             return False
         # orbax logs a failing write from each of its threads, with tracebacks;
         # they are held back and the caller's SaveFailed says it in one sentence.
+        # Its abandoned write tasks also report their exception through asyncio's
+        # logger ("Task exception was never retrieved"), during the save or when
+        # they are collected later: after a failed save those are dropped for good.
         held = _Held()
-        logger = logging.getLogger("absl")
-        logger.addFilter(held)
+        loggers = [logging.getLogger("absl"), logging.getLogger("asyncio")]
+        for logger in loggers:
+            logger.addFilter(held)
         try:
             saved = self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
             self.manager.wait_until_finished()
+        except BaseException:
+            logging.getLogger("asyncio").addFilter(_Held())
+            raise
         finally:
-            logger.removeFilter(held)
+            for logger in loggers:
+                logger.removeFilter(held)
         for record in held.records:   # a save that succeeded: whatever it logged, as it was
-            logger.handle(record)
+            logging.getLogger(record.name).handle(record)
         return saved
 
     def restore(self, state_like: Any, step: int | None = None) -> tuple[Any, dict]:
