@@ -10,6 +10,7 @@ like a new one, across any number of hosts).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from typing import Any
@@ -61,6 +62,42 @@ class _Held(logging.Filter):
         return True
 
 
+class _DropTaskErrors(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records."""
+
+    def filter(self, record):
+        return not (record.levelno >= logging.ERROR
+                    and str(record.msg).startswith("Task exception was never retrieved"))
+
+
+_DROP_TASK_ERRORS = _DropTaskErrors()
+
+
+@contextlib.contextmanager
+def _orbax_errors_held():
+    """orbax logs a failing read or write from each of its threads, with
+    tracebacks, and its abandoned tasks report their exception through
+    asyncio's logger ("Task exception was never retrieved") during the call or
+    when they are collected later. The caller's exception says it in one
+    sentence, so on failure those records are dropped (the asyncio ones for
+    good: they arrive at garbage collection); on success whatever was logged is
+    passed on as it was."""
+    held = _Held()
+    loggers = [logging.getLogger("absl"), logging.getLogger("asyncio")]
+    for logger in loggers:
+        logger.addFilter(held)
+    try:
+        yield
+    except BaseException:
+        logging.getLogger("asyncio").addFilter(_DROP_TASK_ERRORS)   # idempotent
+        raise
+    finally:
+        for logger in loggers:
+            logger.removeFilter(held)
+    for record in held.records:
+        logging.getLogger(record.name).handle(record)
+
+
 class Checkpointer:
     def __init__(self, directory, keep: int = 2, every: int = 1):
         directory = epath.Path(directory)
@@ -80,27 +117,10 @@ class Checkpointer:
             return False
         if self.manager.latest_step() == step:
             return False
-        # orbax logs a failing write from each of its threads, with tracebacks;
-        # they are held back and the caller's SaveFailed says it in one sentence.
-        # Its abandoned write tasks also report their exception through asyncio's
-        # logger ("Task exception was never retrieved"), during the save or when
-        # they are collected later: after a failed save those are dropped for good.
-        held = _Held()
-        loggers = [logging.getLogger("absl"), logging.getLogger("asyncio")]
-        for logger in loggers:
-            logger.addFilter(held)
-        try:
+        with _orbax_errors_held():   # a failed save: SaveFailed says it, once
             saved = self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
             self.manager.wait_until_finished()
-        except BaseException:
-            logging.getLogger("asyncio").addFilter(_Held())
-            raise
-        finally:
-            for logger in loggers:
-                logger.removeFilter(held)
-        for record in held.records:   # a save that succeeded: whatever it logged, as it was
-            logging.getLogger(record.name).handle(record)
         return saved
 
     def restore(self, state_like: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -111,8 +131,9 @@ class Checkpointer:
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
             if isinstance(x, jax.Array) else x, state_like)
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        with _orbax_errors_held():   # e.g. a checkpoint of other shapes: the caller says it
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
 
     def close(self) -> None:
