@@ -8,15 +8,16 @@ import tempfile
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Subprocesses (CLI and multi-process tests) leave ~/.cache alone.
-os.environ.setdefault("ERPO_JAX_COMPILE_CACHE", "off")
+# ERPO_JAX_TEST_XLA_CACHE: one cache shared by several sessions (tests/mutations.py).
+_CACHE = os.environ.get("ERPO_JAX_TEST_XLA_CACHE") or tempfile.mkdtemp(prefix="erpo-jax-xla-cache-")
+# Subprocesses (CLI and multi-process tests) share one cache of the session's
+# too, never ~/.cache: most of them compile the same tiny trainer's programs.
+os.environ.setdefault("ERPO_JAX_COMPILE_CACHE", os.path.join(_CACHE, "subprocesses"))
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# ERPO_JAX_TEST_XLA_CACHE: one cache shared by several sessions (tests/mutations.py).
-jax.config.update("jax_compilation_cache_dir", os.environ.get("ERPO_JAX_TEST_XLA_CACHE")
-                  or tempfile.mkdtemp(prefix="erpo-jax-xla-cache-"))
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
