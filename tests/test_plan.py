@@ -86,3 +86,45 @@ def test_topology_table_names_and_unknown_name():
     assert {"v4-8", "v4-16", "v5e-8", "v5e-16", "v5p-8", "v6e-8"} <= set(plan_lib.TOPOLOGIES)
     with pytest.raises(ValueError, match="v4-8"):
         plan_lib.topology("v9-8")
+
+
+def _peak(cfg, top, names):
+    rep = plan_lib.plan(cfg, top, 0.0, only=names, say=lambda s: None, decode_step=False)
+    return max(p["peak_bytes"] for p in rep["programs"])
+
+
+@pytest.mark.slow
+def test_suggest_finds_the_boundary_where_programs_stop_fitting():
+    """--suggest's two searches, against a usable HBM set between the peaks of
+    the smallest and largest candidate (from the compiler, not hard-coded):
+    the suggested value fits and the next candidate beyond it does not."""
+    from erpo_jax.train.config import load_config
+    top = plan_lib.topology("v5e-4")
+    base = [a for a in TINY if not a.startswith(("train.batch_size", "data.max_prompt_len",
+                                                 "rollout.max_new_tokens", "train.eval_"))]
+    cfg = load_config(None, [*base, "train.batch_size=32", "data.max_prompt_len=64",
+                             "rollout.max_new_tokens=64"])
+    hbm = top.hbm_gib * plan_lib.GIB
+    between = lambda lo, hi: 1 - (lo + hi) / 2 / hbm     # the margin that puts the limit there
+
+    calls = plan_lib.call_candidates(cfg, top)
+    assert calls == list(range(4, 33, 4))
+    at = lambda k: plan_lib._with(cfg, "rollout", max_prompts_per_call=k)
+    lo, hi = (_peak(at(k), top, plan_lib.SAMPLERS) for k in (calls[0], calls[-1]))
+    assert hi > lo
+    margin = between(lo, hi)
+    k = plan_lib.largest_call(cfg, top, margin)
+    assert k in calls[:-1], k
+    assert plan_lib.fits(at(k), top, margin, plan_lib.SAMPLERS)
+    assert not plan_lib.fits(at(calls[calls.index(k) + 1]), top, margin, plan_lib.SAMPLERS)
+
+    micros = plan_lib.micro_candidates(cfg, top)
+    assert micros[0] == 1 and len(micros) >= 3
+    mb = lambda k: plan_lib._with(cfg, "optim", micro_batches=k)
+    hi, lo = (_peak(mb(k), top, ("update",)) for k in (micros[0], micros[-1]))
+    assert hi > lo
+    margin = between(lo, hi)
+    k = plan_lib.smallest_micro(cfg, top, margin)
+    assert k in micros[1:], k
+    assert plan_lib.fits(mb(k), top, margin, ("update",))
+    assert not plan_lib.fits(mb(micros[micros.index(k) - 1]), top, margin, ("update",))

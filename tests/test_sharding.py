@@ -88,3 +88,31 @@ def test_two_logical_axes_on_one_mesh_axis_is_rejected():
     rules = dict(RULES, vocab="fsdp")
     with pytest.raises(ValueError, match="'vocab' and 'embed' both map to mesh axis 'fsdp'"):
         logical_to_spec(("vocab", "embed"), rules, "embed")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_parallel_logprob_gradients_match_single_device(tied):
+    # On a mesh, the log-prob pass computes the LM head vocabulary-parallel
+    # (logprobs.vocab_parallel): the same log-probs, entropies and gradients
+    # (every parameter, the head's included) as on one device.
+    from erpo_jax.model.logprobs import vocab_parallel
+    cfg = ModelConfig(qkv_bias=True, qk_norm=True, tie_word_embeddings=tied)
+    sh = Sharding(make_mesh((2, 2, 2)))
+    assert vocab_parallel(cfg, sh) and not vocab_parallel(cfg, None)
+    toks = jax.random.randint(jax.random.key(1), (8, 16), 0, cfg.vocab_size)
+    mask = jnp.ones_like(toks).at[:, :3].set(0)
+    w = jax.random.normal(jax.random.key(2), (3, 8, 15))
+
+    def loss(p, s):
+        out = token_logprobs(p, cfg, toks, mask, temperature=0.7, chunk_size=4, sharding=s)
+        return sum(jnp.sum(a * wi) for a, wi in zip(out, w))
+
+    params = M.init_params(cfg, jax.random.key(0))
+    want_l, want_g = jax.value_and_grad(loss)(params, None)
+    sharded = M.init_params(cfg, jax.random.key(0), sh)
+    got_l, got_g = jax.jit(jax.value_and_grad(lambda p: loss(p, sh)))(sharded)
+    np.testing.assert_allclose(float(got_l), float(want_l), rtol=1e-5)
+    for path, g in jax.tree_util.tree_flatten_with_path(got_g)[0]:
+        r = dict(jax.tree_util.tree_flatten_with_path(want_g)[0])[path]
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -28,9 +28,11 @@ import jax
 import jax.numpy as jnp
 
 
-def dense(x: jax.Array, w: jax.Array, n_in: int = 1, preferred_element_type=None) -> jax.Array:
-    """tensordot(x, w, n_in); see the module docstring."""
-    if jax.default_backend() != "cpu":
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1, preferred_element_type=None,
+          platform: str | None = None) -> jax.Array:
+    """tensordot(x, w, n_in); see the module docstring. platform: the one the
+    program is compiled for (`sharding.platform`; default JAX's backend)."""
+    if (platform or jax.default_backend()) != "cpu":
         return jnp.tensordot(x, w, n_in, preferred_element_type=preferred_element_type)
     return _dense_cpu(x, w, n_in, preferred_element_type)
 

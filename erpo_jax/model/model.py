@@ -43,7 +43,7 @@ from erpo_jax.runtime import xla_options
 from erpo_jax.model import attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.dense import dense
-from erpo_jax.model.sharding import Sharding
+from erpo_jax.model.sharding import Sharding, platform as platform_of
 
 NEG_INF = -1e30  # finite, so fully masked (padding) rows give a uniform softmax, not NaN
 
@@ -155,13 +155,15 @@ class Attention(nn.Module):
         cfg, dt = self.cfg, self.cfg.jnp_compute_dtype
         D, H, N, K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = nn.initializers.normal(0.02)
+        plat = platform_of(self.sharding)
+        mm = functools.partial(dense, platform=plat)
         wq = _param(self, "q_proj", (D, H, K), ("embed", "heads", "head_dim"), init, cfg)
         wk = _param(self, "k_proj", (D, N, K), ("embed", "kv_heads", "head_dim"), init, cfg)
         wv = _param(self, "v_proj", (D, N, K), ("embed", "kv_heads", "head_dim"), init, cfg)
         wo = _param(self, "o_proj", (H, K, D), ("heads", "head_dim", "embed"), init, cfg)
-        q = dense(x, wq.astype(dt))
-        k = dense(x, wk.astype(dt))
-        v = dense(x, wv.astype(dt))
+        q = mm(x, wq.astype(dt))
+        k = mm(x, wk.astype(dt))
+        v = mm(x, wv.astype(dt))
         if cfg.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + _param(self, "q_bias", (H, K), ("heads", "head_dim"), zeros, cfg).astype(dt)
@@ -192,7 +194,7 @@ class Attention(nn.Module):
 
         B, T = q.shape[:2]
         qg = q.reshape(B, T, N, H // N, K)
-        if T == 1 and layer_cache is not None and jax.default_backend() == "cpu":
+        if T == 1 and layer_cache is not None and plat == "cpu":
             # One-token decode on the CPU, in float32: the scores reduce over K
             # with the slot-minor keys' S slots as vector lanes. Measured:
             # [G, K] x [K, S] products on slot-major keys decoded 4x slower
@@ -204,9 +206,10 @@ class Attention(nn.Module):
             probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1)
             out = jnp.einsum("bngs,bnsk->bngk", probs[:, :, :, 0], v.astype(f32))
             out = out.astype(dt).reshape(B, 1, H, K)
-            return dense(out, wo.astype(dt), 2), new_cache
-        out = attention.attend(qg, k, v, bias, ks, vs, jnp.dtype(dt).name)
-        return dense(out.reshape(B, T, H, K), wo.astype(dt), 2), new_cache
+            return mm(out, wo.astype(dt), 2), new_cache
+        out = attention.attend_blocked(qg, k, v, bias, ks, vs, jnp.dtype(dt).name, plat,
+                                       attention.query_block(T, plat))
+        return mm(out.reshape(B, T, H, K), wo.astype(dt), 2), new_cache
 
 
 class MLP(nn.Module):
@@ -221,10 +224,11 @@ class MLP(nn.Module):
         wg = _param(self, "gate_proj", (D, F), ("embed", "mlp"), init, cfg)
         wu = _param(self, "up_proj", (D, F), ("embed", "mlp"), init, cfg)
         wd = _param(self, "down_proj", (F, D), ("mlp", "embed"), init, cfg)
-        h = jax.nn.silu(dense(x, wg.astype(dt))) * dense(x, wu.astype(dt))
+        mm = functools.partial(dense, platform=platform_of(self.sharding))
+        h = jax.nn.silu(mm(x, wg.astype(dt))) * mm(x, wu.astype(dt))
         if self.sharding is not None:
             h = self.sharding.constrain(h, ("batch", "length", "act_mlp"))
-        return dense(h, wd.astype(dt))
+        return mm(h, wd.astype(dt))
 
 
 class Block(nn.Module):
@@ -286,7 +290,8 @@ class Transformer(nn.Module):
 
     def logits(self, h):
         """float32 logits for hidden states h [..., D] -> [..., V]."""
-        return _logits(h, self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head)
+        return _logits(h, self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head,
+                       self.sharding)
 
     def __call__(self, tokens, positions, attn_mask):
         return self.logits(self.hidden(tokens, positions, attn_mask))
@@ -347,6 +352,19 @@ def unstack_layers(params) -> dict:
     parts = [[p[0] for p in jnp.split(a, n, axis=0)] for a in leaves]
     return {**params, "layers": tuple(jax.tree_util.tree_unflatten(treedef, [p[l] for p in parts])
                                       for l in range(n))}
+
+
+def in_compute_dtype(params, cfg: ModelConfig) -> Any:
+    """params with every floating-point leaf wider than the compute dtype cast
+    to it (the other leaves as they are). Every use in the model casts its
+    weight to the compute dtype first, so the model computes the same
+    numbers from either pytree; a decode loop given this copy (made once,
+    outside the loop) reads bfloat16 weights each step instead of reading
+    float32 ones and casting them again."""
+    dt = jnp.dtype(cfg.jnp_compute_dtype)
+    cast = lambda x: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating)
+                      and x.dtype.itemsize > dt.itemsize else x)
+    return jax.tree_util.tree_map(cast, params)
 
 
 def _hidden_unrolled(params, cfg: ModelConfig, tokens, positions, attn_mask,
@@ -414,11 +432,13 @@ def hidden_states(params, cfg: ModelConfig, tokens, positions=None, attn_mask=No
 
 def head_logits(params, cfg: ModelConfig, h, sharding: Sharding | None = None):
     """float32 logits [..., V] from hidden states [..., D]."""
-    return _logits(h, params["embed"].T if cfg.tie_word_embeddings else params["lm_head"])
+    return _logits(h, params["embed"].T if cfg.tie_word_embeddings else params["lm_head"],
+                   sharding)
 
 
-def _logits(h, w):
-    return dense(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+def _logits(h, w, sharding: Sharding | None):
+    return dense(h, w.astype(h.dtype), preferred_element_type=jnp.float32,
+                 platform=platform_of(sharding))
 
 
 def _boxed_init(cfg: ModelConfig, rng, sharding: Sharding | None = None):

@@ -42,6 +42,8 @@ RULES: Mapping[str, MeshAxes] = {
     "act_kv_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
+    # the LM head of the log-prob pass: vocabulary over every chip (see logprobs.py)
+    "head_vocab": ("data", "fsdp", "tensor"),
 }
 
 
@@ -66,12 +68,27 @@ class Sharding:
         return jax.lax.with_sharding_constraint(x, self.named(logical))
 
     @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices ('cpu', 'tpu', 'gpu'): the one the
+        programs are built for. It may differ from this process's backend:
+        `erpo plan` meshes abstract TPU devices on a CPU host."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
     def data_size(self) -> int:
         """How many ways the batch axis is split."""
         return axis_size(self.mesh, dict(self.rules)["batch"])
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+
+def platform(sharding: Sharding | None) -> str:
+    """The platform programs over `sharding` are compiled for: its mesh's,
+    else (no mesh) JAX's default backend. Platform-specific code paths (the
+    CPU backend's dot workarounds) choose by this, never by the process's
+    default backend, so a TPU program compiled on a CPU host is the TPU one."""
+    return jax.default_backend() if sharding is None else sharding.platform
 
 
 def axis_size(mesh: Mesh, axes: MeshAxes) -> int:

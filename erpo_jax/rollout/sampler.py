@@ -317,9 +317,11 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     constrain = (lambda x, axes: sharding.constrain(x, axes)) if sharding else (lambda x, axes: x)
     prompt_mask = prompt_mask.astype(bool)
 
-    # Per-layer weight buffers, made once here so the decode loop does not
-    # slice the stacked [L, ...] arrays every step (see model.unstack_layers).
-    params = model_lib.unstack_layers(params)
+    # Per-layer weight buffers in the compute dtype, made once here so the
+    # decode loop neither slices the stacked [L, ...] arrays nor reads and
+    # casts float32 weights every step (model.unstack_layers,
+    # model.in_compute_dtype: the same numbers).
+    params = model_lib.unstack_layers(model_lib.in_compute_dtype(params, cfg))
 
     # Prefill the B prompts once; only the last position's logits are needed.
     cache = model_lib.init_cache(cfg, B, S)

@@ -181,8 +181,12 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
             "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0))}
 
 
-def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print) -> dict:
-    """Compile every per-step program of `cfg` for `top`; the report (a dict)."""
+def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
+         decode_step: bool = True) -> dict:
+    """Compile every per-step program of `cfg` for `top`; the report (a dict).
+    only: program names to compile (default all); decode_step: also compile
+    one decode step of each sampler, for its traffic and the rollout's time
+    estimate (a verdict alone does not need it)."""
     from erpo_jax.runtime.distributed import plan_mesh
     from erpo_jax.model.config import PRESETS, from_hf_config
     from erpo_jax.model.hf import read_config
@@ -228,7 +232,9 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print) 
             report["programs"].append(row)
             say(f"  {prog.name:<18} DOES NOT FIT: {row['compiler_error']}")
             continue
-        if prog.name in ("rollout", "eval greedy", "eval sampled"):
+        if prog.name in ("rollout", "eval greedy", "eval sampled") and not decode_step:
+            row["flops"], row["bytes_accessed"] = row["xla_flops"], row["xla_bytes_accessed"]
+        elif prog.name in ("rollout", "eval greedy", "eval sampled"):
             sampler = {"rollout": progs.sampler, "eval greedy": progs.eval_greedy,
                        "eval sampled": progs.eval_sampled}[prog.name]
             per_call = r.max_prompts_per_call or cfg.train.batch_size
@@ -260,15 +266,17 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print) 
 
 
 def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh) -> dict:
-    """One decode step's bytes accessed against the minimum: every weight and
-    the whole KV cache read once (per chip)."""
+    """One decode step's bytes accessed against the minimum: every weight (in
+    the compute dtype, which the sampler's decode loop reads: a copy made
+    once per call, `model.in_compute_dtype`) and the whole KV cache read
+    once (per chip)."""
     import math
 
     import jax
     params = progs.abstract_params()
-    weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    cd = jax.numpy.dtype(model_cfg.jnp_compute_dtype).itemsize
+    weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * min(x.dtype.itemsize, cd)
                   for x in jax.tree_util.tree_leaves(params))
-    cd = 2 if model_cfg.compute_dtype == "bfloat16" else 4
     cfg = progs.cfg
     S = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens - 1
     kv_heads_split = mesh.shape["tensor"] if model_cfg.num_kv_heads % mesh.shape["tensor"] == 0 \
@@ -313,9 +321,16 @@ def table(report: dict) -> str:
 # ----------------------------------------------------------------------------- --suggest
 
 
-def _fits(cfg, top, margin, names, say) -> bool:
-    rep = plan(cfg, top, margin, only=names, say=say)
-    return rep["fits"]
+SAMPLERS = ("rollout", "eval greedy", "eval sampled")
+
+
+def fits(cfg, top: Topology, margin: float, names: tuple) -> bool:
+    """Whether the programs `names` of cfg fit `top` (compiled, quietly)."""
+    return plan(cfg, top, margin, only=names, say=lambda s: None, decode_step=False)["fits"]
+
+
+def _with(cfg, section: str, **kw):
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
 
 
 def _bisect(values: list, ok, want_largest: bool):
@@ -332,37 +347,49 @@ def _bisect(values: list, ok, want_largest: bool):
     return best
 
 
-def suggest(cfg, top: Topology, margin: float = 0.05, say=print) -> list[str]:
-    """Overrides: the largest rollout.max_prompts_per_call whose samplers fit and
-    the smallest optim.micro_batches whose update fits (compiling candidates)."""
+def call_candidates(cfg, top: Topology) -> list[int]:
+    """rollout.max_prompts_per_call values to try: multiples of the
+    data-parallel size up to train.batch_size, ascending."""
     from erpo_jax.runtime.distributed import plan_mesh
+    shape = plan_mesh(top.chips, top.chips // top.hosts, *cfg.mesh.shape).shape
+    dp, B = shape[0] * shape[1], cfg.train.batch_size
+    return list(range(dp, B + 1, dp)) or [B]
+
+
+def micro_candidates(cfg, top: Topology) -> list[int]:
+    """optim.micro_batches values the config validates with, ascending."""
     from erpo_jax.train.config import validate
-    n = top.chips
-    shape = plan_mesh(n, n // top.hosts, *cfg.mesh.shape).shape
-    dp = shape[0] * shape[1]
-    B, o = cfg.train.batch_size, cfg.optim
-    quiet = lambda s: None
-
-    def with_(section, **kw):
-        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
-                                                                         **kw)})
-
-    calls = [k for k in range(dp, B + 1, dp)] or [B]
-    samplers = ("rollout", "eval greedy", "eval sampled")
-    best_calls = _bisect(calls, lambda k: _fits(with_("rollout", max_prompts_per_call=k), top,
-                                                margin, samplers, quiet), want_largest=True)
-    say(f"largest rollout.max_prompts_per_call that fits: {best_calls}")
-    queries = B // o.num_minibatches
-    micro = []
+    queries = cfg.train.batch_size // cfg.optim.num_minibatches
+    out = []
     for k in range(1, queries + 1):
         if queries % k == 0:
             try:
-                validate(with_("optim", micro_batches=k), n)
-                micro.append(k)
+                validate(_with(cfg, "optim", micro_batches=k), top.chips)
+                out.append(k)
             except ValueError:
                 pass
-    best_micro = _bisect(micro, lambda k: _fits(with_("optim", micro_batches=k), top, margin,
-                                                ("update",), quiet), want_largest=False)
+    return out
+
+
+def largest_call(cfg, top: Topology, margin: float = 0.05):
+    """The largest rollout.max_prompts_per_call whose samplers fit (None: none does)."""
+    return _bisect(call_candidates(cfg, top), lambda k: fits(
+        _with(cfg, "rollout", max_prompts_per_call=k), top, margin, SAMPLERS), want_largest=True)
+
+
+def smallest_micro(cfg, top: Topology, margin: float = 0.05):
+    """The smallest optim.micro_batches whose update fits (None: none does)."""
+    return _bisect(micro_candidates(cfg, top), lambda k: fits(
+        _with(cfg, "optim", micro_batches=k), top, margin, ("update",)), want_largest=False)
+
+
+def suggest(cfg, top: Topology, margin: float = 0.05, say=print) -> list[str]:
+    """Overrides: the largest rollout.max_prompts_per_call whose samplers fit and
+    the smallest optim.micro_batches whose update fits, found by compiling
+    candidates (bisection; fitting is assumed monotone in each)."""
+    best_calls = largest_call(cfg, top, margin)
+    say(f"largest rollout.max_prompts_per_call that fits: {best_calls}")
+    best_micro = smallest_micro(cfg, top, margin)
     say(f"smallest optim.micro_batches that fits: {best_micro}")
     out = []
     if best_calls is not None:

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from erpo_jax.runtime import xla_options
+from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding
@@ -164,6 +165,16 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
         return loss, (terms, metrics)
 
     def update(state: TrainState, batch: RLBatch, critic_batch):
+        # Each micro-batch differentiates the compute-dtype copy of the
+        # parameters its forward reads anyway (every weight is cast before
+        # use; XLA hoists those casts out of the loop), so its gradient is
+        # held in that dtype (for bfloat16, half the float32 bytes) and only
+        # the accumulator is float32. The numbers are the same: the gradient
+        # of a cast weight is a compute-dtype array. The embedding table keeps
+        # its dtype: its gradient is a scatter-add over tokens, which a
+        # bfloat16 accumulation would round.
+        compute_params = {**model_lib.in_compute_dtype(state.params, model_cfg),
+                          "embed": state.params["embed"]}
         N = batch.tokens.shape[0]
         m = N // n_micro
         gid = (jnp.arange(m, dtype=jnp.int32) // group_size)
@@ -177,7 +188,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
             mb, cnt, cmb = xs
             shares = {k: cnt[k] / totals[k] for k in cnt}
             (loss, (terms, metrics)), g = jax.value_and_grad(micro_loss, has_aux=True)(
-                state.params, mb, shares)
+                compute_params, mb, shares)
             g = like_params(g)
             grads = jax.tree_util.tree_map(jnp.add, acc["grads"], g)
             out = {"grads": grads, "loss": acc["loss"] + loss}
