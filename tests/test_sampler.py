@@ -17,8 +17,8 @@ from erpo_jax.model.hf import load_hf
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding, make_mesh
 from erpo_jax.rollout.decode import decode_responses, response_lengths, truncate_responses
-from erpo_jax.rollout.sampler import (Sampler, SamplingConfig, bucket_length, rollout_key,
-                                      truncate_logits)
+from erpo_jax.rollout.sampler import (Sampler, SamplingConfig, bucket_length, kth_largest,
+                                      rollout_key, truncate_logits)
 from hf_models import build_tiny_hf
 
 CFG = ModelConfig()  # the tiny preset: vocab 256, 2 layers
@@ -181,6 +181,28 @@ def test_truncate_logits_keeps_the_nucleus():
     np.testing.assert_array_equal(kept, [[1, 1, 0, 0], [0, 0, 1, 1]])
     kept = np.isfinite(np.asarray(truncate_logits(z, 0, 0.01)))  # the argmax always survives
     np.testing.assert_array_equal(kept.sum(-1), [1, 1])
+
+
+
+def test_kth_largest_is_lax_top_k_bit_for_bit():
+    """The CPU's top-k threshold (bisection on the float bits) equals lax.top_k's
+    k-th value on rows with repeats (bfloat16-rounded logits), both signs,
+    signed zeros and -inf (masked tokens), for k from 1 to V."""
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 4, (6, 1000)).astype(np.float32)
+    z[1] = np.asarray(jnp.asarray(z[1]).astype(jnp.bfloat16).astype(jnp.float32))  # many ties
+    z[2, :500] = -np.inf
+    z[3, ::2], z[3, 1::2] = 0.0, -0.0
+    z[4] = -np.abs(z[4])
+    z[5] = 3.0                                                                   # one value
+    z = jnp.asarray(z)
+    for k in (1, 2, 50, 499, 500, 501, 999, 1000):
+        want = jax.lax.top_k(z, k)[0][:, -1:]
+        got = kth_largest(z, k)
+        np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(want).view(np.int32),
+                                      err_msg=f"k={k}")
+        np.testing.assert_array_equal(np.asarray(truncate_logits(z, k, 1.0, "cpu")),
+                                      np.asarray(truncate_logits(z, k, 1.0, "tpu")))
 
 
 # ----------------------------------------------------------------------------- distribution

@@ -55,7 +55,7 @@ import numpy as np
 from erpo_jax.runtime import xla_options
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.model.sharding import Sharding
+from erpo_jax.model.sharding import Sharding, platform as platform_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +190,7 @@ def rollout_key(seed_key: jax.Array, rl_step: int | jax.Array) -> jax.Array:
     return jax.random.fold_in(seed_key, rl_step)
 
 
-def truncate_logits(z: jax.Array, top_k: int, top_p: float) -> jax.Array:
+def truncate_logits(z: jax.Array, top_k: int, top_p: float, platform: str = "") -> jax.Array:
     """Set logits outside the top-k, then outside the top-p nucleus, to -inf.
 
     z: float32[R, V] (already temperature-scaled). top-p is measured on the
@@ -198,10 +198,18 @@ def truncate_logits(z: jax.Array, top_k: int, top_p: float) -> jax.Array:
     most likely token is always kept. Ties at the threshold are all kept.
     top-p alone sorts the whole vocabulary every step; with a top-k it sorts
     only the k survivors, which is much cheaper for large vocabularies.
+    platform: the one the program is compiled for (default JAX's backend).
+    Top-k alone on the CPU finds the k-th largest logit by `kth_largest`
+    rather than `lax.top_k`, which XLA's CPU backend runs as a full sort of
+    every row (see experiments/BENCHMARKS.md for the measured decode steps).
     """
     if top_k:
-        desc = jax.lax.top_k(z, top_k)[0]                      # [R, k], descending
-        z = jnp.where(z < desc[:, -1:], -jnp.inf, z)
+        if top_p < 1.0 or (platform or jax.default_backend()) != "cpu":
+            desc = jax.lax.top_k(z, top_k)[0]                  # [R, k], descending
+            kth = desc[:, -1:]
+        else:
+            kth = kth_largest(z, top_k)
+        z = jnp.where(z < kth, -jnp.inf, z)
     if top_p < 1.0:
         if not top_k:
             desc = -jnp.sort(-z, axis=-1)                      # [R, V], descending
@@ -211,6 +219,33 @@ def truncate_logits(z: jax.Array, top_k: int, top_p: float) -> jax.Array:
         threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)
         z = jnp.where(z < threshold, -jnp.inf, z)
     return z
+
+
+def kth_largest(z: jax.Array, k: int) -> jax.Array:
+    """float32[R, 1]: the k-th largest entry of each row of z float32[R, V]
+    (counting repeats), the value `lax.top_k(z, k)[0][:, -1:]` holds.
+
+    Each float is mapped to a 32-bit unsigned key in the same order (for a
+    negative float the magnitude bits are flipped, then the sign bit is
+    flipped for all), and the key of the k-th largest entry is built one bit
+    at a time from the top: bit b is set when at least k keys are >= the
+    prefix with it set. 32 compare-and-count passes over the row, with no
+    sort. NaN logits are not expected (the sampler never makes them).
+    """
+    bits = jax.lax.bitcast_convert_type(z.astype(jnp.float32), jnp.int32)
+    ordered = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)              # signed order = float order
+    top = jnp.uint32(0x80000000)
+    keys = jax.lax.bitcast_convert_type(ordered, jnp.uint32) ^ top      # unsigned order
+
+    def add_bit(i, prefix):
+        cand = prefix | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        enough = jnp.sum(keys >= cand[:, None], axis=-1, dtype=jnp.int32) >= k
+        return jnp.where(enough, cand, prefix)
+
+    key = jax.lax.fori_loop(0, 32, add_bit, jnp.zeros(z.shape[:1], jnp.uint32))
+    ordered = jax.lax.bitcast_convert_type(key ^ top, jnp.int32)
+    bits = jnp.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)[:, None]
 
 
 def inverse_cdf_sample(z: jax.Array, u: jax.Array) -> jax.Array:
@@ -243,7 +278,7 @@ def inverse_cdf_sample(z: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def _choose(logits: jax.Array, keys: jax.Array, uniforms: jax.Array, step: jax.Array,
-            sc: SamplingConfig):
+            sc: SamplingConfig, platform: str = ""):
     """Sampled tokens int32[R] and their logp float32[R] from logits float32[R, V]
     (keys: key[R] per row; uniforms: float32[R, N] per row and step)."""
     z = logits.astype(jnp.float32) / sc.temperature
@@ -254,7 +289,7 @@ def _choose(logits: jax.Array, keys: jax.Array, uniforms: jax.Array, step: jax.A
     if sc.greedy:
         tok = jnp.argmax(z, axis=-1)
     else:
-        z = truncate_logits(z, sc.top_k, sc.top_p)
+        z = truncate_logits(z, sc.top_k, sc.top_p, platform)
         if sc.method == "gumbel":
             step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
             tok = jax.vmap(jax.random.categorical)(step_keys, z)
@@ -265,9 +300,10 @@ def _choose(logits: jax.Array, keys: jax.Array, uniforms: jax.Array, step: jax.A
     return tok, jnp.take_along_axis(logprobs, tok[:, None], axis=-1)[:, 0]
 
 
-def _record(state: SamplerState, logits: jax.Array, sc: SamplingConfig) -> SamplerState:
+def _record(state: SamplerState, logits: jax.Array, sc: SamplingConfig,
+            platform: str = "") -> SamplerState:
     """Sample token `state.step` for every row not yet done, and advance."""
-    tok, logp = _choose(logits, state.rng, state.uniforms, state.step, sc)
+    tok, logp = _choose(logits, state.rng, state.uniforms, state.step, sc, platform)
     live = ~state.done
     tok = jnp.where(live, tok, sc.pad_id)
     logp = jnp.where(live, logp, 0.0)
@@ -295,7 +331,7 @@ def decode_step(params, s: SamplerState, cfg: ModelConfig, sc: SamplingConfig,
                                       jnp.ones_like(last, bool), cache=s.cache,
                                       sharding=sharding)
     s = dataclasses.replace(s, cache=cache, positions=s.positions + 1)
-    return _record(s, logits[:, 0], sc)
+    return _record(s, logits[:, 0], sc, platform_of(sharding))
 
 
 def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array, *,
@@ -354,7 +390,7 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
         rng=row_keys,
         uniforms=constrain(uniforms, ("batch", None)),
     )
-    state = _record(state, logits, sc)
+    state = _record(state, logits, sc, platform_of(sharding))
 
     def cond(s: SamplerState):
         return (s.step < N) & ~jnp.all(s.done)

@@ -63,11 +63,14 @@ class _Held(logging.Filter):
 
 
 class _DropTaskErrors(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" records."""
+    """Drops asyncio's "Task exception was never retrieved" and "Future
+    exception was never retrieved" records (orbax's thread-pool reads are
+    futures as well as tasks)."""
 
     def filter(self, record):
+        first = str(record.msg).split("\n", 1)[0]
         return not (record.levelno >= logging.ERROR
-                    and str(record.msg).startswith("Task exception was never retrieved"))
+                    and first.endswith("exception was never retrieved"))
 
 
 _DROP_TASK_ERRORS = _DropTaskErrors()
@@ -77,7 +80,7 @@ _DROP_TASK_ERRORS = _DropTaskErrors()
 def _orbax_errors_held():
     """orbax logs a failing read or write from each of its threads, with
     tracebacks, and its abandoned tasks report their exception through
-    asyncio's logger ("Task exception was never retrieved") during the call or
+    asyncio's logger ("Task/Future exception was never retrieved") during the call or
     when they are collected later. The caller's exception says it in one
     sentence, so on failure those records are dropped (the asyncio ones for
     good: they arrive at garbage collection); on success whatever was logged is
