@@ -47,14 +47,16 @@ GIB = 2 ** 30
 # Cloud TPU documentation, one page per generation (the "System architecture"
 # / specifications table of each): https://cloud.google.com/tpu/docs/v4,
 # .../v5e, .../v5p, .../v6e. Per chip: HBM capacity, HBM bandwidth, peak
-# bf16 FLOP/s.
+# bf16 FLOP/s. Checked against those pages on 2026-12-01: v4 275 TFLOP/s,
+# 32 GiB, 1200 GB/s; v5e 197, 16 GiB, 819; v5p 459, 95 GB, 2765; v6e 918,
+# 32 GB, 1638. (v5p's and v6e's pages write "GB"; taken as GiB, like v4's.)
 SOURCE = ("Cloud TPU docs, per-chip specifications: cloud.google.com/tpu/docs/v4, "
           "/v5e, /v5p, /v6e")
 _CHIPS = {  # generation: (topology prefix, chip config, HBM GiB, peak bf16 TFLOP/s, HBM GB/s)
     "v4": ("v4", "megacore", 32, 275, 1200),
     "v5e": ("v5e", "default", 16, 197, 819),
     "v5p": ("v5p", "megacore", 95, 459, 2765),
-    "v6e": ("v6e", "default", 32, 918, 1640),
+    "v6e": ("v6e", "default", 32, 918, 1638),
 }
 
 
