@@ -423,3 +423,40 @@ def test_decode_stops_at_first_eos():
     with pytest.raises(ValueError, match="exactly one"):
         decode_responses(ids, [2])
 
+
+
+def _all_gather_sizes(hlo: str) -> list[int]:
+    """Element counts of the outputs of every all-gather in optimized HLO text."""
+    import re
+    sizes = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \(?\w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", line)
+        if m:
+            sizes.append(int(np.prod([int(d) for d in m.group(1).split(",") if d])))
+    return sizes
+
+
+def test_decode_step_moves_activations_not_weights(params, monkeypatch):
+    """On an FSDP mesh one decode step gathers no weight: every all-gather is
+    activation-sized (rows x hidden, rows x vocab / chips), far below the
+    smallest weight matrix. The training rules (FSDP: gather the weights)
+    would gather every one of them each step; the test checks that too, so
+    it can tell the two apart."""
+    sharding = Sharding(make_mesh((1, 4, 1), jax.devices()[:4]))
+    sc = dataclasses.replace(MAIN, num_samples=2)
+    sampler = Sampler(CFG, sc, sharding)
+    abstract = jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        params, model_lib.param_shardings(CFG, sharding))
+    per_layer = [a.shape[1:] for a in jax.tree_util.tree_leaves(params["layers"])]
+    smallest_matrix = min(int(np.prod(s)) for s in per_layer if len(s) >= 2)
+    rows = 4 * sc.num_samples
+    assert rows * CFG.hidden_size <= smallest_matrix / 2, "shapes too close to tell apart"
+
+    hlo = sampler.lower_decode_step(abstract, 4, 8).compile().as_text()
+    gathered = _all_gather_sizes(hlo)
+    assert gathered and max(gathered) < smallest_matrix, (gathered, smallest_matrix)
+
+    monkeypatch.setattr(Sharding, "weight_stationary", lambda self: self)
+    hlo = sampler.lower_decode_step(abstract, 4, 8).compile().as_text()
+    assert sum(n >= smallest_matrix for n in _all_gather_sizes(hlo)) >= 4 * CFG.num_layers

@@ -72,8 +72,8 @@ class KVCache(NamedTuple):
 
 
 # Logical axes of one layer's key and value buffers.
-K_CACHE_AXES = ("batch", "act_kv_heads", None, "cache_length")
-V_CACHE_AXES = ("batch", "act_kv_heads", "cache_length", None)
+K_CACHE_AXES = ("rows", "act_kv_heads", None, "cache_length")
+V_CACHE_AXES = ("rows", "act_kv_heads", "cache_length", None)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
@@ -164,6 +164,13 @@ class Attention(nn.Module):
         q = mm(x, wq.astype(dt))
         k = mm(x, wk.astype(dt))
         v = mm(x, wv.astype(dt))
+        if layer_cache is not None and self.sharding is not None:
+            # Projected where x is (under a weight-stationary decode: every
+            # row on every chip, the contraction's partial sums reduced), not
+            # where the cache is: that would gather the weights instead.
+            c = self.sharding.constrain
+            q = c(q, ("batch", "length", "act_heads", None))
+            k, v = (c(a, ("batch", "length", "act_kv_heads", None)) for a in (k, v))
         if cfg.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + _param(self, "q_bias", (H, K), ("heads", "head_dim"), zeros, cfg).astype(dt)
@@ -186,11 +193,17 @@ class Attention(nn.Module):
                                               (0, 0, cache_index, 0))
             k, v = constrain(ck, K_CACHE_AXES), constrain(cv, V_CACHE_AXES)
             new_cache, ks, vs = (k, v), "bnks", "bnsk"
+            # Each row attends on the chip that holds its cache; under a
+            # weight-stationary decode ("batch" not split like "rows") the
+            # queries go to those chips and the outputs come back.
+            rows = "rows"
+            back = lambda o: constrain(o, ("batch", "length", "act_heads", None))
         else:
             k = constrain(k, ("batch", "length", "act_kv_heads", None))
             v = constrain(v, ("batch", "length", "act_kv_heads", None))
             new_cache, ks, vs = None, "bsnk", "bsnk"
-        q = constrain(q, ("batch", "length", "act_heads", None))
+            rows, back = "batch", lambda o: o
+        q = constrain(q, (rows, "length", "act_heads", None))
 
         B, T = q.shape[:2]
         qg = q.reshape(B, T, N, H // N, K)
@@ -206,10 +219,10 @@ class Attention(nn.Module):
             probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1)
             out = jnp.einsum("bngs,bnsk->bngk", probs[:, :, :, 0], v.astype(f32))
             out = out.astype(dt).reshape(B, 1, H, K)
-            return mm(out, wo.astype(dt), 2), new_cache
+            return mm(back(out), wo.astype(dt), 2), new_cache
         out = attention.attend_blocked(qg, k, v, bias, ks, vs, jnp.dtype(dt).name, plat,
                                        attention.query_block(T, plat))
-        return mm(out.reshape(B, T, H, K), wo.astype(dt), 2), new_cache
+        return mm(back(out.reshape(B, T, H, K)), wo.astype(dt), 2), new_cache
 
 
 class MLP(nn.Module):

@@ -35,6 +35,8 @@ RULES: Mapping[str, MeshAxes] = {
     "mlp": "tensor",
     # activations
     "batch": ("data", "fsdp"),
+    # the sampler's rows and KV-cache rows (= batch, except in a weight-stationary decode step)
+    "rows": ("data", "fsdp"),
     "length": None,
     "cache_length": None,
     "act_embed": None,
@@ -81,6 +83,22 @@ class Sharding:
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+    def weight_stationary(self) -> "Sharding":
+        """The rules of one decode step: the dense layers' activations ("batch")
+        are split only over the mesh axes that split no weight, so every chip
+        multiplies its own shard of each weight by all rows' (few) hidden
+        states and the chips exchange activations instead of weights; the
+        sampler's rows and the KV cache ("rows") stay where they are.
+        Under the default rules a decode step all-gathers every FSDP-sharded
+        weight, the whole model per generated token."""
+        rules = dict(self.rules)
+        as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
+        weight_axes = {m for ax in ("embed", "heads", "kv_heads", "mlp", "vocab")
+                       for m in as_tuple(rules[ax])}
+        batch = tuple(m for m in as_tuple(rules["rows"]) if m not in weight_axes)
+        rules["batch"] = batch or None
+        return Sharding(self.mesh, tuple(rules.items()))
 
 
 def platform(sharding: Sharding | None) -> str:

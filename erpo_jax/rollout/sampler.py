@@ -41,6 +41,18 @@ prompts are a few KB).
 Memory. The sampler makes one per-layer copy of the layer weights per call
 (`model.unstack_layers`), so while it runs the policy's layer parameters are
 held twice; in exchange no decode step copies weights.
+
+Sharding of a decode step (on a mesh). The weights stay where they are
+(FSDP- and tensor-sharded) and the activations move: the dense layers run
+under `Sharding.weight_stationary`, so each chip multiplies its own weight
+shard by every row's hidden state (the contraction's partial sums are
+reduced across chips: a few MB per layer for a few hundred rows), and each
+row attends on the chip that holds its KV cache. The LM head is a copy made
+once per call, split on the vocabulary over every chip (`decode_head`); its
+logits go back to their rows' chips for sampling. Under the training rules
+a decode step would all-gather every FSDP-sharded weight instead, the whole
+model per token (on a v5e-16, 15 GiB of bfloat16 per chip and step for a
+7B model, per `erpo plan`).
 """
 
 from __future__ import annotations
@@ -55,6 +67,8 @@ import numpy as np
 from erpo_jax.runtime import xla_options
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.dense import dense
+from jax.experimental.layout import Format, Layout
 from erpo_jax.model.sharding import Sharding, platform as platform_of
 
 
@@ -322,16 +336,56 @@ def _record(state: SamplerState, logits: jax.Array, sc: SamplingConfig,
     )
 
 
+def decode_head(params, cfg: ModelConfig, sharding: Sharding | None = None) -> jax.Array:
+    """The LM head weight [D, V] as the sampler uses it (made once per call):
+    on a mesh whose size divides V, split on V over every chip, so no decode
+    step gathers the [D, V] weight."""
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    w = w.astype(cfg.jnp_compute_dtype)
+    axes = decode_head_axes(cfg, sharding)
+    return w if axes is None else sharding.constrain(w, axes)
+
+
+def decode_head_axes(cfg: ModelConfig, sharding: Sharding | None):
+    """The logical axes of `decode_head`'s [D, V] weight (None: as it is)."""
+    if sharding is None or sharding.mesh.size == 1:
+        return None
+    if cfg.vocab_size % sharding.mesh.size:
+        return ("embed", "vocab")
+    return (None, "head_vocab")
+
+
+def head_logits(h: jax.Array, head: jax.Array, cfg: ModelConfig,
+                sharding: Sharding | None = None) -> jax.Array:
+    """float32 logits [R, V] of final hidden states h [R, D] (head: from
+    `decode_head`), on the chips of their rows. With a vocabulary-split head
+    every chip computes its slice of the vocabulary for every row, then each
+    row's logits go to its chip (an all-to-all of R x V / chips floats)."""
+    axes = decode_head_axes(cfg, sharding)
+    if axes is None:
+        return dense(h, head, preferred_element_type=jnp.float32, platform=platform_of(sharding))
+    if axes[1] == "head_vocab":
+        h = sharding.constrain(h, (None, None))
+    logits = dense(h, head, preferred_element_type=jnp.float32, platform=platform_of(sharding))
+    if axes[1] == "head_vocab":
+        logits = sharding.constrain(logits, (None, "head_vocab"))
+    return sharding.constrain(logits, ("rows", None))
+
+
 def decode_step(params, s: SamplerState, cfg: ModelConfig, sc: SamplingConfig,
-                sharding: Sharding | None = None) -> SamplerState:
+                sharding: Sharding | None = None, head: jax.Array | None = None) -> SamplerState:
     """One step of the decode loop: feed the last sampled token, sample the next
-    (params: per-layer, as `model.unstack_layers` returns them)."""
+    (params: per-layer, as `model.unstack_layers` returns them; head: from
+    `decode_head`, default made here). See the module docstring for its
+    sharding."""
+    head = decode_head(params, cfg, sharding) if head is None else head
     last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)     # [R, 1]
-    logits, cache = model_lib.forward(params, cfg, last, s.positions[:, None],
-                                      jnp.ones_like(last, bool), cache=s.cache,
-                                      sharding=sharding)
+    stationary = None if sharding is None else sharding.weight_stationary()
+    h, cache = model_lib.hidden_states(params, cfg, last, s.positions[:, None],
+                                       jnp.ones_like(last, bool), cache=s.cache,
+                                       sharding=stationary)
     s = dataclasses.replace(s, cache=cache, positions=s.positions + 1)
-    return _record(s, logits[:, 0], sc, platform_of(sharding))
+    return _record(s, head_logits(h[:, 0], head, cfg, sharding), sc, platform_of(sharding))
 
 
 def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array, *,
@@ -358,19 +412,20 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     # casts float32 weights every step (model.unstack_layers,
     # model.in_compute_dtype: the same numbers).
     params = model_lib.unstack_layers(model_lib.in_compute_dtype(params, cfg))
+    head = decode_head(params, cfg, sharding)
 
     # Prefill the B prompts once; only the last position's logits are needed.
     cache = model_lib.init_cache(cfg, B, S)
     h, cache = model_lib.hidden_states(params, cfg, prompt_tokens,
                                        model_lib.positions_from_mask(prompt_mask), prompt_mask,
                                        cache=cache, sharding=sharding)
-    logits = model_lib.head_logits(params, cfg, h[:, -1], sharding)        # [B, V]
+    logits = head_logits(h[:, -1], head, cfg, sharding)                      # [B, V]
 
     # Share the prefill: row b * G + g continues prompt b.
     rep = lambda x, axis: jnp.repeat(x, G, axis=axis) if G > 1 else x
     cache = cache.map_kv(lambda a, axes: constrain(rep(a, 0), axes))
-    cache = cache._replace(valid=constrain(rep(cache.valid, 0), ("batch", "cache_length")))
-    logits = constrain(rep(logits, 0), ("batch", None))
+    cache = cache._replace(valid=constrain(rep(cache.valid, 0), ("rows", "cache_length")))
+    logits = constrain(rep(logits, 0), ("rows", None))
     row_mask = rep(prompt_mask, 0)
     rows = constrain(jnp.arange(R, dtype=jnp.int32), ("batch",))
     row_keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, rows)
@@ -395,7 +450,8 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     def cond(s: SamplerState):
         return (s.step < N) & ~jnp.all(s.done)
 
-    state = jax.lax.while_loop(cond, lambda s: decode_step(params, s, cfg, sc, sharding), state)
+    state = jax.lax.while_loop(cond, lambda s: decode_step(params, s, cfg, sc, sharding, head),
+                               state)
 
     response_mask = jnp.arange(N)[None, :] < state.lengths[:, None]
     return Rollout(
@@ -532,8 +588,10 @@ class Sampler:
 
     def lower_decode_step(self, params, num_prompts: int, longest_prompt: int):
         """One step of the decode loop (`decode_step`) lowered for the shapes of
-        `lower` with its carry in the shardings the loop gives it (params:
-        ShapeDtypeStructs with NamedShardings); for `erpo plan`, whose cost
+        `lower`, with what the loop gives it: the compute-dtype per-layer
+        weights and the head of `sample_rollout`, the carry in its shardings
+        and donated, the KV cache in layouts of the compiler's choice (params:
+        ShapeDtypeStructs with NamedShardings). For `erpo plan`, whose cost
         analysis counts a loop body once."""
         B, P = self.batch_shape(num_prompts, longest_prompt)
         sc, cfg, sh = self.sampling, self.cfg, self.sharding
@@ -548,13 +606,22 @@ class Sampler:
             return jax.ShapeDtypeStruct(a.shape[1:], a.dtype,
                                         sharding=jax.sharding.NamedSharding(sh.mesh, spec))
 
+        # The loop's loop-invariant inputs, as `sample_rollout` makes them: the
+        # weights in the compute dtype, one subtree per layer, and the head.
+        cd, L, Nk, K = cfg.jnp_compute_dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        narrow = lambda a: jax.ShapeDtypeStruct(
+            a.shape, model_lib.in_compute_dtype(jnp.zeros((), a.dtype), cfg).dtype,
+            sharding=a.sharding)
+        params = jax.tree_util.tree_map(narrow, params)
         layer = jax.tree_util.tree_map(unstacked, params["layers"])
         per_layer = {**params, "layers": (layer,) * cfg.num_layers}
-        cd, L, Nk, K = cfg.jnp_compute_dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        head = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cd,
+                                    sharding=sh.named(decode_head_axes(cfg, sh)))
+
         cache = model_lib.KVCache(
             tuple(put((R, Nk, K, S), cd, model_lib.K_CACHE_AXES) for _ in range(L)),
             tuple(put((R, Nk, S, K), cd, model_lib.V_CACHE_AXES) for _ in range(L)),
-            put((R, S), jnp.bool_, ("batch", "cache_length")), put((), jnp.int32, ()))
+            put((R, S), jnp.bool_, ("rows", "cache_length")), put((), jnp.int32, ()))
         key = jax.eval_shape(lambda: jax.random.key(0))
         rows = lambda shape, dtype: put((R, *shape), dtype, ("batch", None)[:1 + len(shape)])
         state = SamplerState(
@@ -564,9 +631,18 @@ class Sampler:
             rng=put((R,), key.dtype, ("batch",)),
             uniforms=rows((N if sc.method == "inverse_cdf" and not sc.greedy else 0,),
                           jnp.float32))
-        fn = jax.jit(lambda p, s: decode_step(p, s, cfg, sc, sh), donate_argnums=(1,),
+        # The KV cache in the layouts the compiler picks (inside the while_loop
+        # it picks them too): a fixed entry layout would add a relayout copy of
+        # the whole cache per step that the loop never makes.
+        auto = lambda a: Format(Layout.AUTO, a.sharding)
+        formats = jax.tree_util.tree_map(lambda a: a.sharding, state)
+        formats = dataclasses.replace(formats, cache=formats.cache._replace(
+            k=tuple(map(auto, cache.k)), v=tuple(map(auto, cache.v))))
+        shardings = jax.tree_util.tree_map(lambda a: a.sharding, (per_layer, head))
+        fn = jax.jit(lambda p, h, s: decode_step(p, s, cfg, sc, sh, h), donate_argnums=(2,),
+                     in_shardings=(*shardings, formats), out_shardings=formats,
                      compiler_options=xla_options.for_steps())
-        return fn.lower(per_layer, state)
+        return fn.lower(per_layer, head, state)
 
     def compile(self, params, num_prompts: int, longest_prompt: int) -> None:
         """Compile ahead of time (see `lower`); a later call with those shapes

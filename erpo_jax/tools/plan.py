@@ -188,7 +188,21 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
     """Compile every per-step program of `cfg` for `top`; the report (a dict).
     only: program names to compile (default all); decode_step: also compile
     one decode step of each sampler, for its traffic and the rollout's time
-    estimate (a verdict alone does not need it)."""
+    estimate (a verdict alone does not need it).
+
+    JAX's persistent compilation cache is off meanwhile: an executable for
+    abstract TPU devices can never be loaded on this host (reading one back
+    only warns), so writing them would only fill the cache."""
+    import jax
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return _plan(cfg, top, margin, only, say, decode_step)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+
+def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool) -> dict:
     from erpo_jax.runtime.distributed import plan_mesh
     from erpo_jax.model.config import PRESETS, from_hf_config
     from erpo_jax.model.hf import read_config
@@ -256,6 +270,9 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
         if prog.name == "update":
             model = _model_flops(model_cfg, prog.rows, prog.tokens // prog.rows, False) * 3
             row["estimated_mfu"] = model / chips / top.peak_flops / (row["estimated_ms"] / 1e3)
+        formula = _formula_gib(cfg, prog, top, shape, progs.sharding.data_size)
+        if formula is not None:
+            row["formula_gib"] = formula
         report["programs"].append(row)
         say(_line(row))
     bad = [p for p in report["programs"] if not p["fits"]]
@@ -267,11 +284,31 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
     return report
 
 
+def _formula_gib(cfg, prog, top: Topology, mesh_shape, data_size: int) -> float | None:
+    """The hand formula's per-chip GiB for the rollout and the update
+    (`bench.memory_estimate`), a cross-check of the compiler's peak; None for
+    other programs and for models that are no preset."""
+    from erpo_jax.model.config import PRESETS
+    from erpo_jax.tools.bench import memory_estimate
+    m = cfg.model
+    if prog.name not in ("rollout", "update") or m.preset not in PRESETS:
+        return None
+    micro = max(1, prog.rows // max(1, cfg.optim.micro_batches) // data_size)
+    est = memory_estimate(m.preset, top.name, top.chips, top.hbm_gib, mesh_shape,
+                          prog.rows if prog.name == "rollout" else 1,
+                          (cfg.data.max_prompt_len, cfg.rollout.max_new_tokens), micro,
+                          m.param_dtype, m.compute_dtype)["gib"]
+    return est["rollout_peak"] if prog.name == "rollout" else est["train_peak_remat"]
+
+
 def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh) -> dict:
     """One decode step's bytes accessed against the minimum: every weight (in
     the compute dtype, which the sampler's decode loop reads: a copy made
     once per call, `model.in_compute_dtype`) and the whole KV cache read
-    once (per chip)."""
+    once (per chip). The minimum assumes each chip reads only its own weight
+    shard, which the sampler's weight-stationary decode step does
+    (`sampler` module docstring); an FSDP step that gathers the weights
+    reads the whole model on every chip."""
     import math
 
     import jax
