@@ -370,17 +370,24 @@ def first_iteration_cached(spec: dict, iters: int = 3) -> dict:
     and fills it, 'warm' (a rerun of the same config) loads the programs.
     Each: setup_s, first_iter_s, steady_iter_s, losses (identical in both),
     the cache's hits and misses, files_written (new cache entries) and
-    process_s (the whole process, imports included)."""
+    process_s (the whole process, imports included).
+
+    Both processes write every program, however fast it compiled (JAX's
+    minimum compile time set to 0): with the usual threshold a program that
+    compiles just under it on a loaded host is not written, and the warm run
+    compiles it again (seen as a flaky 'warm run missed 1-2 programs')."""
+    import os
     import subprocess
     import sys
     out = {}
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     with tempfile.TemporaryDirectory() as cache:
         child = {**spec, "iters": iters, "compile_cache": cache}
         for run in ("cold", "warm"):
             before = set(Path(cache).iterdir())
             t0 = time.perf_counter()
             proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env=env)
             wall = time.perf_counter() - t0
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not lines:

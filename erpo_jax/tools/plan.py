@@ -194,12 +194,16 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
     abstract TPU devices can never be loaded on this host (reading one back
     only warns), so writing them would only fill the cache."""
     import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
     was = jax.config.jax_enable_compilation_cache
+    # JAX decides once per process whether a cache is in use: reset makes it decide again.
     jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
     try:
         return _plan(cfg, top, margin, only, say, decode_step)
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
+        cc.reset_cache()
 
 
 def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool) -> dict:
