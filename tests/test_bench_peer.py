@@ -8,7 +8,9 @@ from unittest import mock
 
 import pytest
 
-from erpo_jax.tools import bench, bench_peer
+from erpo_jax.model.config import PRESETS
+from erpo_jax.tools import bench
+from erpo_jax.tools.bench import peer as bench_peer
 
 FAKE_PEER = """
 import os, sys
@@ -77,4 +79,4 @@ def test_our_side_runs_the_trainer_on_the_peer_config():
     temperature 0.9, top-k 50, AdamW 1e-3): per-iteration times and the update's."""
     r = bench_peer.run_ours("tiny", iters=3)
     assert len(r["iter_s"]) == 3 and r["steady_s"] > 0 and r["update_s"] > 0
-    assert bench.PRESETS["peer-tiny"].tie_word_embeddings
+    assert PRESETS["peer-tiny"].tie_word_embeddings
