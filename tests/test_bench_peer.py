@@ -4,6 +4,7 @@ interleaving and the no-venv path are checked exactly; the erpo-jax side is the
 real Trainer in a fresh process."""
 
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -80,3 +81,12 @@ def test_our_side_runs_the_trainer_on_the_peer_config():
     r = bench_peer.run_ours("tiny", iters=3)
     assert len(r["iter_s"]) == 3 and r["steady_s"] > 0 and r["update_s"] > 0
     assert PRESETS["peer-tiny"].tie_word_embeddings
+
+
+def test_default_peer_paths_are_beside_the_checkout(monkeypatch):
+    monkeypatch.delenv("ERPO_PEERS_DIR", raising=False)
+    monkeypatch.setenv("TUNIX_VENV", "/nonexistent/venv")
+    script, python = bench_peer.default_paths()
+    repo = Path(__file__).resolve().parents[1]
+    assert script == repo.parent / "shared" / "peers" / "tunix_grpo.py"
+    assert python == Path("/nonexistent/venv/bin/python")

@@ -52,11 +52,13 @@ print("RESULT " + json.dumps(r))
 """
 
 
+REPO = Path(__file__).resolve().parents[3]   # the checkout (this is erpo_jax/tools/bench/peer.py)
+
+
 def default_paths() -> tuple[Path, Path]:
     """(peer script, peer venv's python): `$ERPO_PEERS_DIR` or ../shared/peers beside
     the checkout, and `$TUNIX_VENV` or the place setup_tunix.sh uses."""
-    repo = Path(__file__).resolve().parents[2]
-    peers = Path(os.environ.get("ERPO_PEERS_DIR", repo.parent / "shared" / "peers"))
+    peers = Path(os.environ.get("ERPO_PEERS_DIR", REPO.parent / "shared" / "peers"))
     venv = Path(os.environ.get("TUNIX_VENV",
                                Path.home() / ".cache" / "erpo-peers" / "tunix-venv"))
     return peers / "tunix_grpo.py", venv / "bin" / "python"
@@ -107,7 +109,7 @@ def run_peer(size: str, iters: int, script: Path, python: Path, timeout: float =
 
 def run_ours(size: str, iters: int, timeout: float = 1800) -> dict:
     spec = {**CONFIGS[size], **MATCH, "name": size, "iters": iters, "mesh": (1, 1, 1)}
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(REPO)
     proc = subprocess.run([sys.executable, "-c", _OURS, json.dumps(spec)], capture_output=True,
                           text=True, timeout=timeout,
                           env=_clean_env(PYTHONPATH=repo, ERPO_JAX_COMPILE_CACHE="off"))
