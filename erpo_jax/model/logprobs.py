@@ -151,8 +151,8 @@ def vocab_parallel(cfg: ModelConfig, sharding: Sharding | None) -> bool:
 def _vocab_parallel_logits(params, cfg: ModelConfig, h, sharding: Sharding):
     """float32 logits [B, C, V] of hidden states h [B, C, D], sharded on V over
     the whole mesh, from every row's hidden states on every device."""
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    w = sharding.constrain(w.astype(h.dtype), (None, "head_vocab"))      # [D, V/n] per device
+    w = model_lib.head_weight(params, cfg).astype(h.dtype)
+    w = sharding.constrain(w, (None, "head_vocab"))                      # [D, V/n] per device
     h = sharding.constrain(h, (None, None, None))                         # all rows, every device
     logits = dense(h, w, preferred_element_type=jnp.float32, platform=platform(sharding))
     return sharding.constrain(logits, (None, None, "head_vocab"))

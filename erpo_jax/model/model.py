@@ -443,10 +443,14 @@ def hidden_states(params, cfg: ModelConfig, tokens, positions=None, attn_mask=No
                                         method=Transformer.hidden), None
 
 
+def head_weight(params, cfg: ModelConfig) -> jax.Array:
+    """The LM head's [D, V] weight: the embedding's transpose when tied."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def head_logits(params, cfg: ModelConfig, h, sharding: Sharding | None = None):
     """float32 logits [..., V] from hidden states [..., D]."""
-    return _logits(h, params["embed"].T if cfg.tie_word_embeddings else params["lm_head"],
-                   sharding)
+    return _logits(h, head_weight(params, cfg), sharding)
 
 
 def _logits(h, w, sharding: Sharding | None):

@@ -63,12 +63,12 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 from erpo_jax.runtime import xla_options
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.dense import dense
-from jax.experimental.layout import Format, Layout
 from erpo_jax.model.sharding import Sharding, platform as platform_of
 
 
@@ -340,8 +340,7 @@ def decode_head(params, cfg: ModelConfig, sharding: Sharding | None = None) -> j
     """The LM head weight [D, V] as the sampler uses it (made once per call):
     on a mesh whose size divides V, split on V over every chip, so no decode
     step gathers the [D, V] weight."""
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    w = w.astype(cfg.jnp_compute_dtype)
+    w = model_lib.head_weight(params, cfg).astype(cfg.jnp_compute_dtype)
     axes = decode_head_axes(cfg, sharding)
     return w if axes is None else sharding.constrain(w, axes)
 
@@ -362,12 +361,13 @@ def head_logits(h: jax.Array, head: jax.Array, cfg: ModelConfig,
     every chip computes its slice of the vocabulary for every row, then each
     row's logits go to its chip (an all-to-all of R x V / chips floats)."""
     axes = decode_head_axes(cfg, sharding)
-    if axes is None:
-        return dense(h, head, preferred_element_type=jnp.float32, platform=platform_of(sharding))
-    if axes[1] == "head_vocab":
+    split = axes is not None and axes[1] == "head_vocab"
+    if split:
         h = sharding.constrain(h, (None, None))
     logits = dense(h, head, preferred_element_type=jnp.float32, platform=platform_of(sharding))
-    if axes[1] == "head_vocab":
+    if axes is None:
+        return logits
+    if split:
         logits = sharding.constrain(logits, (None, "head_vocab"))
     return sharding.constrain(logits, ("rows", None))
 
@@ -609,10 +609,10 @@ class Sampler:
         # The loop's loop-invariant inputs, as `sample_rollout` makes them: the
         # weights in the compute dtype, one subtree per layer, and the head.
         cd, L, Nk, K = cfg.jnp_compute_dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        narrow = lambda a: jax.ShapeDtypeStruct(
-            a.shape, model_lib.in_compute_dtype(jnp.zeros((), a.dtype), cfg).dtype,
-            sharding=a.sharding)
-        params = jax.tree_util.tree_map(narrow, params)
+        narrowed = jax.eval_shape(lambda p: model_lib.in_compute_dtype(p, cfg), params)
+        params = jax.tree_util.tree_map(   # eval_shape drops the shardings: put them back
+            lambda a, n: jax.ShapeDtypeStruct(a.shape, n.dtype, sharding=a.sharding),
+            params, narrowed)
         layer = jax.tree_util.tree_map(unstacked, params["layers"])
         per_layer = {**params, "layers": (layer,) * cfg.num_layers}
         head = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cd,
