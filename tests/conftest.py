@@ -9,7 +9,10 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # ERPO_JAX_TEST_XLA_CACHE: one cache shared by several sessions (tests/mutations.py).
+# Set here in the pytest-xdist controller, so both workers inherit one cache and a
+# program one of them compiled is loaded by the other.
 _CACHE = os.environ.get("ERPO_JAX_TEST_XLA_CACHE") or tempfile.mkdtemp(prefix="erpo-jax-xla-cache-")
+os.environ["ERPO_JAX_TEST_XLA_CACHE"] = _CACHE
 # Subprocesses (CLI and multi-process tests) share one cache of the session's
 # too, never ~/.cache: most of them compile the same tiny trainer's programs.
 os.environ.setdefault("ERPO_JAX_COMPILE_CACHE", os.path.join(_CACHE, "subprocesses"))
@@ -23,6 +26,19 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 import pytest  # noqa: E402
+
+# The longest test files (seconds of one core, from `pytest --durations`), handed
+# to the workers first: under --dist loadfile a file runs whole on one worker, and
+# a long file dealt out last leaves the other worker idle until it ends.
+LONGEST_FIRST = ("test_train.py", "test_plan.py", "test_faults.py", "test_chaos.py",
+                 "test_bench.py", "test_model.py", "test_real_path.py", "test_experiments.py",
+                 "test_sharding.py", "test_method_run.py", "test_sampler.py",
+                 "test_multihost_train.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: file order kept
 
 
 @pytest.fixture(scope="session")

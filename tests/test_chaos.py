@@ -19,7 +19,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 from erpo_jax.runtime import rundir
 

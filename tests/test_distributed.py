@@ -233,7 +233,8 @@ def _train(mesh, put_batch) -> dict[str, np.ndarray]:
     for i in range(STEPS):
         params, loss, step_logits = step(params, tokens, mask)
         losses.append(loss)
-        logits = step_logits if i == 0 else logits
+        if i == 0:
+            logits = step_logits
     gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
     out = {"logits": gather(logits), "losses": np.stack([gather(x) for x in losses])}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:

@@ -7,6 +7,7 @@ overrides; the real-scale configs plan and shard on their TPU meshes
 abstractly; the sweep runner skips, flags stale runs, logs and reports.
 """
 
+import argparse
 import dataclasses
 import json
 import math
@@ -16,6 +17,7 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
+from erpo_jax.tools import report as report_lib
 from erpo_jax.tools import sweep as sweep_lib
 from erpo_jax.tools.demo import METHODS
 from erpo_jax.train.methods import resolve_method
@@ -284,6 +286,18 @@ def test_sweep_runs_skips_flags_stale_and_reports(tmp_path, capsys, monkeypatch)
                        .splitlines()[-1])
     row = next(x for x in md.splitlines() if x.startswith("| erpo |"))
     assert row.split("|")[4].strip() == f"{100 * final['average']['greedy_acc']:.1f}"
+    # The run keeps its wall time; the committable summaries beside the report remake
+    # the same REPORT.md through `erpo report --experiment`.
+    wall = json.loads((root / "tiny_exp" / "erpo" / "seed0" / "sweep_wall.jsonl").read_text())
+    assert wall["state"] == "ok" and f"{wall['wall_s']:.0f}" == log[0].split("wall=")[1][:-1]
+    summary = root / "tiny_exp" / "report" / "runs" / "erpo" / "seed0.json"
+    assert json.loads(summary.read_text())["wall_s"] == wall["wall_s"]
+    parser = argparse.ArgumentParser()
+    report_lib.add_parser(parser.add_subparsers())
+    remade = parser.parse_args(["report", str(summary.parent.parent), "--experiment", str(path),
+                                "--out", str(tmp_path / "remade")])
+    assert remade.func(remade) == 0
+    assert (tmp_path / "remade" / "REPORT.md").read_text() == md
 
     # A second sweep skips it; a changed config is stale, not resumed.
     capsys.readouterr()

@@ -28,12 +28,18 @@ def test_cached_values_equal_direct_recompute(setup, tmp_path):
     cache, computed = ref_lib.load_or_compute(params, CFG, queries, tmp_path, tokenizer_id="t",
                                               template="plain", batch_size=4, progress=False)
     assert computed
+    # The direct recompute: one jitted forward over the queries right-padded to one
+    # width (causal, so a query's own log-probs do not see the padding after it).
+    width = max(map(len, queries))
+    padded = jnp.asarray([toks + [0] * (width - len(toks)) for toks in queries])
+    direct = jax.jit(lambda p, t: token_logprobs(p, CFG, t, chunk_size=None).logp_t1)(
+        params, padded)
     for q, toks in enumerate(queries):
         if len(toks) < 2:
             assert len(cache.row(q)) == 0
             continue
-        direct = token_logprobs(params, CFG, jnp.asarray([toks]), chunk_size=None).logp_t1[0]
-        np.testing.assert_allclose(cache.row(q), np.asarray(direct), atol=1e-5)
+        np.testing.assert_allclose(cache.row(q), np.asarray(direct[q, :len(toks) - 1]),
+                                   atol=1e-5)
     again, computed = ref_lib.load_or_compute(params, CFG, queries, tmp_path, tokenizer_id="t",
                                               template="plain", batch_size=4, progress=False)
     assert not computed

@@ -32,6 +32,10 @@ def _write_run(path, name, seed, steps=240):
               "average": {"greedy_acc": rng.uniform(), "pass@1": rng.uniform(),
                           "pass@4": rng.uniform()}} for s in range(0, steps + 1, 60)]
     (path / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    # An interrupted and resumed run: two segments, as `erpo sweep` records them.
+    (path / "sweep_wall.jsonl").write_text(
+        json.dumps({"state": "interrupted", "wall_s": 10.0 + seed}) + "\n"
+        + json.dumps({"state": "ok", "wall_s": 20.5}) + "\n")
 
 
 @pytest.fixture
@@ -59,9 +63,17 @@ def test_report_from_summaries_equals_report_from_runs(runs):
     args = parser.parse_args(["report", str(summaries), "--out", str(root / "b"),
                               "--baseline", "no_kl"])
     assert args.func(args) == 0
-    tables = lambda d: (root / d / "REPORT.md").read_text().split("\nRuns:")[0]
-    assert tables("a") == tables("b")
-    assert "| erpo − no_kl | final drift (QKL k3) |" in tables("b")
+    # The whole report, down to the list of runs it was made from.
+    assert (root / "a" / "REPORT.md").read_text() == (root / "b" / "REPORT.md").read_text()
+    md = (root / "b" / "REPORT.md").read_text()
+    assert "| erpo − no_kl | final drift (QKL k3) |" in md
+    # Per-seed values and wall times (10 + seed + 20.5 s each) are in the report.
+    full = report.load_run(dirs[1])
+    assert full["wall_s"] == 31.5
+    drift = report.series(full, "drift/qkl_k3")[1]
+    row = next(line for line in md.splitlines() if line.startswith("| erpo | 1 |"))
+    assert f"| {drift[-1]:.3f} | {drift.max():.3f} |" in row and row.endswith("| 32 |")
+    assert f"Wall time: {3 * (30.5 + 31.5 + 32.5):,.0f} s over 9 runs." in md
     # Every value the report reads comes back, and nothing else is kept.
     full, back = report.load_run(dirs[0]), report.load_run(files[0])
     for key in run_summary.METRIC_KEYS:

@@ -1,7 +1,6 @@
 """The trainer end to end: CLI smoke runs, bit-exact resume, NaN guard,
 exact micro-batch accumulation, and no reference forward without Policy-KL."""
 
-import dataclasses
 import json
 import os
 import signal

@@ -367,9 +367,23 @@ def table(report: dict) -> str:
 SAMPLERS = ("rollout", "eval greedy", "eval sampled")
 
 
+_PEAKS: dict[tuple, list[float]] = {}   # (config, topology, programs) -> peak bytes each
+
+
+def program_peaks(cfg, top: Topology, names: tuple) -> list[float]:
+    """The peak bytes per chip of the programs `names` of cfg on `top`, compiled once
+    per process (a search asks about the same candidate more than once)."""
+    key = (repr(cfg), top.name, tuple(names))
+    if key not in _PEAKS:
+        rep = plan(cfg, top, 0.0, only=names, say=lambda s: None, decode_step=False)
+        _PEAKS[key] = [p["peak_bytes"] for p in rep["programs"]]
+    return _PEAKS[key]
+
+
 def fits(cfg, top: Topology, margin: float, names: tuple) -> bool:
-    """Whether the programs `names` of cfg fit `top` (compiled, quietly)."""
-    return plan(cfg, top, margin, only=names, say=lambda s: None, decode_step=False)["fits"]
+    """Whether the programs `names` of cfg fit `top` less `margin` (compiled, quietly;
+    a program the compiler refused has a peak above the whole HBM)."""
+    return max(program_peaks(cfg, top, names)) <= top.hbm_gib * GIB * (1 - margin)
 
 
 def _with(cfg, section: str, **kw):

@@ -32,6 +32,7 @@ from erpo_jax.runtime import rundir
 
 import numpy as np
 
+WALL_LOG = "sweep_wall.jsonl"  # in a run directory: `erpo sweep`'s wall time per segment of it
 EVAL_KEY = "eval/average"  # held-out greedy pass@1, averaged over the evaluation sets
 PLOT_KEYS = ((EVAL_KEY, "held-out accuracy (greedy pass@1, mean of sets)"),
              ("accuracy", "train accuracy (sampled)"), ("reward_mean", "reward"),
@@ -51,9 +52,11 @@ def load_run(run_dir) -> dict[str, Any]:
     if not cfg_path.exists():
         raise ValueError(f"{run_dir} is not a run directory (no config.json).")
     cfg = rundir.read_json(cfg_path)
+    walls = rundir.read_jsonl(run_dir / WALL_LOG)
     return {"dir": str(run_dir), "name": cfg.get("name", run_dir.name), "config": cfg,
             "metrics": rundir.read_jsonl(run_dir / "metrics.jsonl"),
-            "evals": rundir.read_jsonl(run_dir / "evals.jsonl")}
+            "evals": rundir.read_jsonl(run_dir / "evals.jsonl"),
+            "wall_s": round(sum(w["wall_s"] for w in walls), 1) if walls else None}
 
 
 def expand_run_dirs(paths: Sequence) -> list:
@@ -266,6 +269,36 @@ def cost_table(runs: Sequence[dict]) -> list[str]:
     return lines
 
 
+def seed_table(runs: Sequence[dict], collapse_drop: float, entropy_floor: float) -> list[str]:
+    """One row per run: the per-seed values behind the mean ± CI cells, and its wall time."""
+    sampled = [k for k in _sampled_keys(runs) if k == "pass@1"]
+    lines = ["| method | seed | initial avg | final avg | best avg | "
+             + "".join(f"initial {k} | final {k} | " for k in sampled)
+             + "final drift | max drift | final entropy | min entropy | collapse step | "
+             "wall s |", "|" + "---|" * (11 + 2 * len(sampled))]
+    num = lambda v, digits: "n/a" if v is None or not np.isfinite(v) else f"{v:.{digits}f}"
+    pct = lambda v: num(None if v is None else 100 * v, 1)
+    for name, rs in group(runs).items():
+        for r in sorted(rs, key=lambda r: r["config"].get("train", {}).get("seed", 0)):
+            t = eval_table(r)
+            acc = lambda part: t.get(part, {}).get("average") if t else None
+            first = r["evals"][0]["average"] if r["evals"] else {}
+            last = r["evals"][-1]["average"] if r["evals"] else {}
+            drift, ent = series(r, "drift/qkl_k3")[1], series(r, "entropy")[1]
+            step = collapse_step(r, collapse_drop, entropy_floor)
+            lines.append(
+                f"| {name} | {r['config'].get('train', {}).get('seed', 0)} | "
+                f"{pct(acc('initial'))} | {pct(acc('final'))} | {pct(acc('best'))} | "
+                + "".join(f"{pct(first.get(k))} | {pct(last.get(k))} | " for k in sampled)
+                + f"{num(_last(r, 'drift/qkl_k3'), 3)} | "
+                f"{num(float(drift.max()) if drift.size else None, 3)} | "
+                f"{num(_last(r, 'entropy'), 3)} | "
+                f"{num(float(ent.min()) if ent.size else None, 3)} | "
+                f"{'-' if step is None else step} | "
+                f"{num(r.get('wall_s'), 0)} |")
+    return lines
+
+
 def effect_table(runs: Sequence[dict], comparisons: Sequence[tuple[str, str]]) -> list[str]:
     by = group(runs)
     lines = ["| comparison | quantity | difference (95% CI) | seed SD | d = diff / SD | seeds |",
@@ -308,6 +341,15 @@ def markdown(runs: Sequence[dict], collapse_drop: float = 0.15, entropy_floor: f
         lines += ["", "Effect sizes against seed noise (difference of seed means, accuracy in "
                   "points; 95% Welch CI; seed SD is the pooled standard deviation over seeds):",
                   ""] + eff
+    walls = [r.get("wall_s") for r in runs]
+    timed = [w for w in walls if w is not None]
+    lines += ["", "Per run (accuracy in percent; wall s is the run's wall time under "
+              "`erpo sweep`, summed over its segments if it was resumed):", ""]
+    lines += seed_table(runs, collapse_drop, entropy_floor)
+    if timed:
+        lines += ["", f"Wall time: {sum(timed):,.0f} s over {len(timed)} runs"
+                  + (f" ({len(walls) - len(timed)} runs not timed)." if len(timed) < len(walls)
+                     else ".")]
     return "\n".join(lines)
 
 
@@ -377,9 +419,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("runs", nargs="+", help="run directories, or an experiment directory "
                    "(runs/<experiment>) standing for all its <variant>/seed<k> runs")
     p.add_argument("--out", required=True, help="output directory for REPORT.md and PNGs")
-    p.add_argument("--title", default="erpo-jax report")
-    p.add_argument("--collapse-drop", type=float, default=0.15)
-    p.add_argument("--entropy-floor", type=float, default=0.05)
+    p.add_argument("--title", default=None, help="default: the --experiment file's, "
+                   "else 'erpo-jax report'")
+    p.add_argument("--experiment", default=None, metavar="FILE",
+                   help="an experiment file (experiments/*.py): its title, COMPARISONS and "
+                   "collapse thresholds, as `erpo sweep` reports it; with its committed "
+                   "summaries, `erpo report experiments/results/E/runs --experiment "
+                   "experiments/E.py --out X` remakes experiments/results/E/REPORT.md")
+    p.add_argument("--collapse-drop", type=float, default=None,
+                   help="default: the --experiment file's COLLAPSE_DROP, else 0.15")
+    p.add_argument("--entropy-floor", type=float, default=None,
+                   help="default: the --experiment file's ENTROPY_FLOOR, else 0.05")
     p.add_argument("--baseline", default=None,
                    help="method to compare every other method against (effect sizes)")
     p.add_argument("--write-summaries", default=None, metavar="DIR",
@@ -390,14 +440,20 @@ def add_parser(subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     dirs = expand_run_dirs(args.runs)
-    comparisons = []
+    title, kw = "erpo-jax report", {}
+    if args.experiment:
+        from erpo_jax.tools import sweep
+        title, kw = sweep.report_options(sweep.load_experiment(args.experiment),
+                                         Path(args.experiment).stem)
+    for k in ("collapse_drop", "entropy_floor"):
+        if getattr(args, k) is not None:
+            kw[k] = getattr(args, k)
     if args.baseline:
         names = list(group([load_run(d) for d in dirs]))
         if args.baseline not in names:
             raise ValueError(f"--baseline {args.baseline!r} is not one of the methods {names}.")
-        comparisons = [(n, args.baseline) for n in names if n != args.baseline]
-    path = write_report(dirs, args.out, args.title, collapse_drop=args.collapse_drop,
-                        entropy_floor=args.entropy_floor, comparisons=comparisons)
+        kw["comparisons"] = [(n, args.baseline) for n in names if n != args.baseline]
+    path = write_report(dirs, args.out, args.title or title, **kw)
     print(path)
     if args.write_summaries:
         from erpo_jax.tools.run_summary import write_summaries

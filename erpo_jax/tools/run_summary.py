@@ -2,7 +2,8 @@
 JSON file that can be committed next to a REPORT.md (run directories, with
 checkpoints, TensorBoard events and sampled responses, stay out of git).
 
-A summary holds the run's resolved config, the per-step values of the
+A summary holds the run's resolved config, its wall time under `erpo sweep`
+(the sum over the segments of an interrupted run), the per-step values of the
 metrics the report tables and plots use (columnar: one list per key, `null`
 where a step did not log the key) and every evaluation row. `erpo report`
 accepts summary files, or a directory of `<method>/seed<k>.json`, wherever it
@@ -29,7 +30,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     rows = run["metrics"]
     keys = [k for k in METRIC_KEYS if any(k in r for r in rows)]
     return {"format": FORMAT, "source": run["dir"], "name": run["name"],
-            "config": run["config"],
+            "wall_s": run.get("wall_s"), "config": run["config"],
             "metrics": {"step": [r["step"] for r in rows],
                         **{k: [r.get(k) for r in rows] for k in keys}},
             "evals": [{k: e[k] for k in ("step", "sets", "average") if k in e}
@@ -50,8 +51,10 @@ def load_summary(path: str | Path) -> dict[str, Any]:
     keys = [k for k in cols if k != "step"]
     metrics = [{"step": step, **{k: cols[k][i] for k in keys if cols[k][i] is not None}}
                for i, step in enumerate(cols["step"])]
-    return {"dir": str(path), "name": s["name"], "config": s["config"], "metrics": metrics,
-            "evals": s["evals"]}
+    # "dir" is the run directory it was made from, so a report from summaries names
+    # the same runs as one from the directories.
+    return {"dir": s["source"], "name": s["name"], "config": s["config"], "metrics": metrics,
+            "evals": s["evals"], "wall_s": s.get("wall_s")}
 
 
 def summary_path(out_dir: str | Path, run: dict[str, Any]) -> Path:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -51,6 +52,7 @@ from types import ModuleType
 from typing import Iterable
 
 from erpo_jax.runtime import rundir
+from erpo_jax.tools.report import WALL_LOG
 from erpo_jax.train.config import (RunConfig, apply_overrides, config_dict, from_dict,
                                    load_experiment, save_config, validate)
 from erpo_jax.train.methods import resolve_method
@@ -326,10 +328,15 @@ def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
         rc = _subprocess("train", r.cfg, r.dir / "train.log", runs_root)
         ok = rc == 0 and is_finished(r.dir)
         state = "ok" if ok else "interrupted" if _CHILDREN.stopping.is_set() else "FAILED"
+        wall = time.perf_counter() - t0
         _log(logs[r.experiment], f"{time.strftime('%Y-%m-%d %H:%M:%S')} {r.label} "
                                  f"{state} rc={rc} steps={r.cfg.train.steps} "
                                  f"from={st}{' (' + detail + ')' if detail else ''} "
-                                 f"wall={time.perf_counter() - t0:.0f}s")
+                                 f"wall={wall:.0f}s")
+        if (r.dir / "config.json").exists():   # the run's own record, which summaries keep
+            with open(r.dir / WALL_LOG, "a") as f:
+                f.write(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "state": state,
+                                    "from": st, "wall_s": round(wall, 1)}) + "\n")
         return r, 0 if ok else (rc or 1)
 
     main = threading.current_thread() is threading.main_thread()
@@ -350,22 +357,34 @@ def finished_run_dirs(exp_dir: str | Path) -> list[Path]:
                   if is_finished(p.parent))
 
 
+def report_options(mod: ModuleType | None, default_title: str) -> tuple[str, dict]:
+    """(title, write_report keywords) of an experiment file: the first line of its
+    docstring, its COMPARISONS and any COLLAPSE_DROP / ENTROPY_FLOOR."""
+    if mod is None:
+        return default_title, {}
+    kw = {}
+    if getattr(mod, "COMPARISONS", None):
+        kw["comparisons"] = list(mod.COMPARISONS)
+    for k in ("collapse_drop", "entropy_floor"):
+        if hasattr(mod, k.upper()):
+            kw[k] = getattr(mod, k.upper())
+    return (mod.__doc__ or default_title).strip().splitlines()[0], kw
+
+
 def report(exp_dir: str | Path, mod: ModuleType | None = None) -> Path | None:
     """REPORT.md and PNGs of every finished run of an experiment, in `<exp_dir>/report`."""
-    from erpo_jax.tools.report import write_report
+    from erpo_jax.tools.report import load_run, write_report
+    from erpo_jax.tools.run_summary import write_summaries
     exp_dir = Path(exp_dir)
     dirs = finished_run_dirs(exp_dir)
     if not dirs:
         return None
-    kw = {}
-    if mod is not None:
-        if getattr(mod, "COMPARISONS", None):
-            kw["comparisons"] = list(mod.COMPARISONS)
-        for k in ("collapse_drop", "entropy_floor"):
-            if hasattr(mod, k.upper()):
-                kw[k] = getattr(mod, k.upper())
-    title = (mod.__doc__ or exp_dir.name).strip().splitlines()[0] if mod else exp_dir.name
-    return write_report(dirs, exp_dir / "report", title=title, **kw)
+    title, kw = report_options(mod, exp_dir.name)
+    path = write_report(dirs, exp_dir / "report", title=title, **kw)
+    # The committable record: report/ with runs/<variant>/seed<k>.json can be copied to
+    # experiments/results/<experiment>/, and `erpo report --experiment` remakes it.
+    write_summaries([load_run(d) for d in dirs], exp_dir / "report" / "runs")
+    return path
 
 
 # ----------------------------------------------------------------------------- CLI
