@@ -162,3 +162,63 @@ def test_tokenizer_errors():
         tok.batch_decode(np.array([3, 4]))
     with pytest.raises(ValueError, match="needs 6 tokens"):
         tok.encode_batch(["Q:1+1"], length=4)
+
+
+def _columns(n, width):
+    return [(n // 10 ** i) % 10 for i in range(width)]
+
+
+def _all_slipped(p):
+    """The answer column arithmetic gives when every carry and borrow that reaches
+    a column is dropped, from the operands (add, sub, mul)."""
+    x, y = (int(g) for g in PROMPT_RE[p.source].fullmatch(p.question).groups())
+    w = max(len(str(x)), len(str(y)))
+    if p.source == "add":
+        cols = [a + b for a, b in zip(_columns(x, w), _columns(y, w))]
+        return sum(c % 10 * 10 ** i for i, c in enumerate(cols)) + cols[-1] // 10 * 10 ** w
+    if p.source == "sub":
+        cols = [(a - b) % 10 for a, b in zip(_columns(x, len(str(x))), _columns(y, len(str(x))))]
+        return sum(c * 10 ** i for i, c in enumerate(cols))
+    cols = [a * y for a in _columns(x, len(str(x)))]
+    return sum(c % 10 * 10 ** i for i, c in enumerate(cols)) + cols[-1] // 10 * 10 ** len(cols)
+
+
+def test_slipped_demonstrations(splits):
+    rng = np.random.default_rng(0)
+    train = splits.train
+    # p = 0 is the exact solution; the gold answer never changes.
+    assert all(ar.slipped(p, rng, 0.0) == p for p in train)
+    every = [ar.slipped(p, rng, 1.0) for p in train]
+    for p, q in zip(train, every):
+        assert (q.question, q.answer) == (p.question, p.answer)
+        _check_steps(q.solution)     # each step is still a true fact; only a carry is lost
+        if p.source in ("add", "sub", "mul"):
+            assert q.solution.endswith(f"A:{_all_slipped(p)}"), (p.question, q.solution)
+    assert ar.slipped(ar._problem("add", 0, "58+23", 81, ar.add_steps(58, 23)), rng,
+                      1.0).solution == "8+3=11;5+2=7;A:71"
+    assert ar.slipped(ar._problem("paren_mul", 0, "(5+9)*6", 84, []), rng,
+                      1.0).solution == "5+9=14;=14;4*6=24;1*6=6;A:64"
+    # Each carry is lost independently with probability p: among additions with
+    # one carry, the fraction with a wrong answer is p (within 4 standard errors).
+    one = [p for p in train if p.source == "add" and p.solution.count("+1") == 1]
+    wrong = np.mean([ar.slipped(p, rng, 0.3).solution != p.solution for p in one])
+    assert abs(wrong - 0.3) < 4 * np.sqrt(0.3 * 0.7 / len(one)), (wrong, len(one))
+    with pytest.raises(ValueError, match="not a training-family problem"):
+        ar.slipped(splits.test["add_long"][0], rng, 0.5)
+
+
+def test_sft_slip_changes_only_the_demonstrations():
+    from erpo_jax.train.config import RunConfig, apply_overrides, validate
+    from erpo_jax.train.tasks import load_task, load_tokenizer
+    base = apply_overrides(RunConfig(), ["data.n_train=400", "data.n_test=4"])
+    exact = load_task(base, load_tokenizer(None))
+    slip = load_task(apply_overrides(base, ["data.sft_slip=0.6"]), load_tokenizer(None))
+    assert [(p.question, p.answer) for p in slip.train] == [(p.question, p.answer)
+                                                            for p in exact.train]
+    assert slip.train_prompts == exact.train_prompts and slip.eval_sets == exact.eval_sets
+    changed = sum(a.solution != b.solution for a, b in zip(slip.train, exact.train))
+    assert 0 < changed < len(exact.train)
+    for bad, match in (("data.sft_slip=1.5", "data.sft_slip.*probability"),
+                       ("data.task=jsonl", "data.sft_slip.*set it to 0")):
+        with pytest.raises(ValueError, match=match):
+            validate(apply_overrides(base, ["data.sft_slip=0.5", bad, "data.train_file=x"]))

@@ -48,48 +48,82 @@ def prompt_text(expr: str) -> str:
 # Column-wise step writers. Each returns (steps, value).
 
 
+Slip = Callable[[], bool] | None
+
+
 def _digits(n: int, width: int) -> list[int]:
     """Little-endian digits of n, zero-padded to width."""
     return [(n // 10**i) % 10 for i in range(width)]
 
 
-def add_steps(a: int, b: int) -> list[str]:
-    """Column steps of a + b (a, b >= 0): ``x+y[+1]=s`` from the right."""
+def _value(digits: Sequence[int], carry: int) -> int:
+    return sum(d * 10**i for i, d in enumerate(digits)) + carry * 10 ** len(digits)
+
+
+def _add(a: int, b: int, slip: Slip = None) -> tuple[list[str], int]:
+    """Column steps of a + b (a, b >= 0) and the value they spell. `slip()`, asked
+    at each column a carry reaches, True drops that carry (a lost carry)."""
     width = max(len(str(a)), len(str(b)))
-    steps, carry = [], 0
+    steps, carry, out = [], 0, []
     for x, y in zip(_digits(a, width), _digits(b, width)):
+        if carry and slip is not None and slip():
+            carry = 0
         s = x + y + carry
         steps.append(f"{x}+{y}" + ("+1" if carry else "") + f"={s}")
+        out.append(s % 10)
         carry = s // 10
-    return steps
+    return steps, _value(out, carry)
+
+
+def _sub(a: int, b: int, slip: Slip = None) -> tuple[list[str], int]:
+    """Column steps of a - b (a >= b >= 0) and their value; `slip()` True drops a
+    borrow owed to the column before (the borrow is taken but never repaid)."""
+    if a < b:
+        raise ValueError(f"sub_steps needs a >= b, got {a} - {b}")
+    width = len(str(a))
+    steps, borrow, out = [], 0, []
+    for x, y in zip(_digits(a, width), _digits(b, width)):
+        if borrow and slip is not None and slip():
+            borrow = 0
+        take = x - y - borrow < 0
+        top = x + 10 if take else x
+        steps.append(f"{top}-{y}" + ("-1" if borrow else "") + f"={top - y - borrow}")
+        out.append(top - y - borrow)
+        borrow = int(take)
+    return steps, _value(out, 0)
+
+
+def _mul(a: int, c: int, slip: Slip = None) -> tuple[list[str], int]:
+    """Column steps of a * c (c one digit) and their value; `slip()` True drops the
+    tens carried into a column."""
+    if not 0 <= c <= 9:
+        raise ValueError(f"mul_steps multiplies by one digit, got {c}")
+    steps, carry, out = [], 0, []
+    for x in _digits(a, len(str(a))):
+        if carry and slip is not None and slip():
+            carry = 0
+        p = x * c + carry
+        steps.append(f"{x}*{c}" + (f"+{carry}" if carry else "") + f"={p}")
+        out.append(p % 10)
+        carry = p // 10
+    return steps, _value(out, carry)
+
+
+def add_steps(a: int, b: int) -> list[str]:
+    """Column steps of a + b (a, b >= 0): ``x+y[+1]=s`` from the right."""
+    return _add(a, b)[0]
 
 
 def sub_steps(a: int, b: int) -> list[str]:
     """Column steps of a - b (a >= b >= 0): ``[1]x-y[-1]=d`` from the right,
     a leading ``1`` on x marking a borrow taken by this column."""
-    if a < b:
-        raise ValueError(f"sub_steps needs a >= b, got {a} - {b}")
-    width = len(str(a))
-    steps, borrow = [], 0
-    for x, y in zip(_digits(a, width), _digits(b, width)):
-        take = x - y - borrow < 0
-        top = x + 10 if take else x
-        steps.append(f"{top}-{y}" + ("-1" if borrow else "") + f"={top - y - borrow}")
-        borrow = int(take)
-    return steps
+    return _sub(a, b)[0]
 
 
 def mul_steps(a: int, c: int) -> list[str]:
     """Column steps of a * c (c one digit): ``x*c[+k]=p`` from the right,
     k being the previous step's tens."""
-    if not 0 <= c <= 9:
-        raise ValueError(f"mul_steps multiplies by one digit, got {c}")
-    steps, carry = [], 0
-    for x in _digits(a, len(str(a))):
-        p = x * c + carry
-        steps.append(f"{x}*{c}" + (f"+{carry}" if carry else "") + f"={p}")
-        carry = p // 10
-    return steps
+    return _mul(a, c)[0]
 
 
 def _problem(family: str, i: int, expr: str, value: int, steps: Sequence[str]) -> Problem:
@@ -184,6 +218,46 @@ TEST_FAMILIES: dict[str, Generator] = {
 }
 # The training mix: every family at training lengths, equal weights.
 TRAIN_MIX: dict[str, float] = {"add": 1.0, "sub": 1.0, "mul": 1.0, "add_mul": 1.0, "paren_mul": 1.0}
+
+
+# ----------------------------------------------------------------------------
+# Slipped demonstrations: a reference that is often right, but not reliably.
+
+_EXPR = {"add": r"(\d+)\+(\d+)", "sub": r"(\d+)-(\d+)", "mul": r"(\d+)\*(\d+)",
+         "add_mul": r"(\d+)\+(\d+)\*(\d+)", "paren_mul": r"\((\d+)\+(\d+)\)\*(\d+)"}
+
+
+def slipped(problem: Problem, rng: np.random.Generator, p: float) -> Problem:
+    """`problem` whose worked solution drops each carry or borrow it has with
+    probability p, every later step and the final answer following from the slip
+    (a lost carry, a borrow never repaid). The gold answer stays the true value,
+    so only what SFT imitates changes: trained on these, a model carries at a
+    rate of about 1 - p, and with p > 1/2 its greedy answer is wrong on exactly
+    the problems that need a carry, while sampling still finds the right one."""
+    import re
+    family = problem.source
+    m = re.fullmatch(_EXPR.get(family, "$^") + r"=\?\n", problem.question[2:])
+    if m is None:
+        raise ValueError(f"slipped: {problem.id} is not a training-family problem "
+                         f"({family!r}, {problem.question!r})")
+    nums = [int(g) for g in m.groups()]
+    slip = lambda: bool(rng.random() < p)
+    if family == "add":
+        steps, value = _add(*nums, slip)
+    elif family == "sub":
+        steps, value = _sub(*nums, slip)
+    elif family == "mul":
+        steps, value = _mul(*nums, slip)
+    elif family == "add_mul":
+        a, b, c = nums
+        steps, value = _add(a, b * c, slip)
+        steps = [f"{b}*{c}={b * c}", *steps]
+    else:   # paren_mul
+        a, b, c = nums
+        first, total = _add(a, b, slip)
+        then, value = _mul(total, c, slip)
+        steps = [*first, f"={total}", *then]
+    return dataclasses.replace(problem, solution=";".join([*steps, f"A:{value}"]))
 
 
 # ----------------------------------------------------------------------------

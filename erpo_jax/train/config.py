@@ -59,6 +59,9 @@ class DataSection:
     skip_bad_rows: drop bad rows of the training file (bad JSON or UTF-8, a
       missing field, a gold math-verify cannot parse) and report how many,
       instead of refusing the file.
+    sft_slip: the arithmetic task's SFT demonstrations drop each carry or
+      borrow with this probability (`arithmetic.slipped`; gold answers stay
+      true): a reference that is often right but not reliably. 0 = exact.
     """
 
     task: str = "arithmetic"
@@ -71,6 +74,7 @@ class DataSection:
     answer_format: str = "plain"
     solution_field: str = ""
     skip_bad_rows: bool = False
+    sft_slip: float = 0.0
     benchmarks_dir: str = "../shared/data/benchmarks"
     eval_benchmarks: tuple[str, ...] = ()
     template: str = "plain"
@@ -280,6 +284,11 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
         _fail("model.path", f"is empty but model.init={m.init!r} needs a checkpoint directory.")
     if d.task not in ("arithmetic", "jsonl"):
         _fail("data.task", f"is {d.task!r}; use 'arithmetic' or 'jsonl'.")
+    if not 0 <= d.sft_slip <= 1:
+        _fail("data.sft_slip", f"is a probability, got {d.sft_slip}.")
+    if d.sft_slip and d.task != "arithmetic":
+        _fail("data.sft_slip", f"slips the arithmetic task's worked solutions, but data.task="
+              f"{d.task!r}; set it to 0.")
     if d.task == "jsonl" and not d.train_file:
         _fail("data.train_file", "is empty but data.task='jsonl' needs a training JSONL file.")
     if d.answer_format not in ("plain", "gsm8k", "boxed"):

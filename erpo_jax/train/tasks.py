@@ -166,7 +166,11 @@ def load_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
         from erpo_jax.data import arithmetic
         from erpo_jax.rewards.arithmetic_reward import arithmetic_rewards
         splits = arithmetic.split(d.seed, d.n_train, d.n_test)
-        task = Task("arithmetic", splits.train, [], dict(splits.test), tokenizer,
+        train = splits.train
+        if d.sft_slip:   # its own stream: the problems stay those of sft_slip=0
+            rng = np.random.default_rng([d.seed, 2])
+            train = [arithmetic.slipped(p, rng, d.sft_slip) for p in train]
+        task = Task("arithmetic", train, [], dict(splits.test), tokenizer,
                     "arithmetic-v1", lambda texts, golds: arithmetic_rewards(
                         list(zip(texts, golds))))
         task.drift_set = _interleave(task.eval_sets)
