@@ -14,7 +14,8 @@ def test_bench_test_mode_produces_every_field(tmp_path):
     out = tmp_path / "bench.json"
     res = bench.main(["--mode", "test", "--no-hf", "--out", str(out)])
     assert json.loads(out.read_text())["mode"] == "test"
-    for key in ("date", "backend", "devices", "peak_rss_mib", "total_s", "targets", *bench.SECTIONS):
+    for key in ("date", "backend", "devices", "host", "peak_rss_mib", "total_s", "targets",
+                *bench.SECTIONS):
         assert key in res, key
     assert res["matmul_peak"]["flops_per_s"] > 0
     r = res["regularizer"]

@@ -1,6 +1,7 @@
 """experiments/RESULTS.md's tables are what experiments/results_tables.py makes from
 the committed run summaries, and each experiment's committed REPORT.md is what
-`erpo report --experiment` makes from them: every reported number traces to a
+`erpo report --experiment` makes from them, and BENCHMARKS.md's targets table is
+the committed `erpo bench --out` report's: every reported number traces to a
 committed file."""
 
 import argparse
@@ -40,3 +41,17 @@ def test_committed_report_is_remade_from_its_summaries(experiment, tmp_path):
     assert args.func(args) == 0
     assert ((tmp_path / "REPORT.md").read_text()
             == (EXP / "results" / experiment / "REPORT.md").read_text())
+
+
+def test_benchmarks_md_holds_the_targets_table_of_the_committed_bench_report():
+    import json
+    spec = importlib.util.spec_from_file_location(
+        "bench_targets", EXP / "profiles" / "bench_targets.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    report = json.loads((EXP / "results" / "bench" / "targets.json").read_text())
+    table = "\n".join(mod.rows(report))
+    assert table in (EXP / "BENCHMARKS.md").read_text(), table
+    # Every target is a ratio against something measured in the same run.
+    assert {"erpo_flops_ratio", "erpo_wall_ratio", "train_mfu", "rl_tiny_vs_tunix",
+            "rl_small_vs_tunix"} <= set(report["targets"])

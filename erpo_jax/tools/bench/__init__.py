@@ -41,7 +41,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from erpo_jax.tools.bench.common import MODES, SECTIONS, peak_rss_mib
+from erpo_jax.tools.bench.common import MODES, SECTIONS, host, peak_rss_mib
 from erpo_jax.tools.bench.memory import REAL_SCALE, memory_estimate
 from erpo_jax.tools.bench.rl import first_iteration_cached, rl_iteration
 from erpo_jax.tools.bench.step import matmul_peak, regularizer_cost, train_mfu
@@ -132,7 +132,7 @@ def run_bench(mode: str = "quick", sections=SECTIONS, with_hf: bool = True,
     t_start = time.perf_counter()
     res = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "backend": jax.default_backend(), "devices": jax.device_count(),
-           "jax": jax.__version__}
+           "jax": jax.__version__, "host": host()}
     clock = [time.perf_counter()]
 
     def say(s):
