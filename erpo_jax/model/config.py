@@ -210,6 +210,11 @@ PRESETS = {
     "arith-small": ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=256,
                                num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
                                max_position_embeddings=128),
+    # A larger model for the same task (about 4x the parameters): multiplications,
+    # arith-small's weak family, need the capacity.
+    "arith-medium": ModelConfig(vocab_size=64, hidden_size=192, intermediate_size=512,
+                                num_layers=4, num_heads=6, num_kv_heads=2, head_dim=32,
+                                max_position_embeddings=128),
     # The shapes of google-tunix's GRPO timing script (../shared/peers/tunix_grpo.py),
     # for `erpo bench --peer tunix`: Qwen3-style with tied embeddings.
     "peer-tiny": ModelConfig(tie_word_embeddings=True),
