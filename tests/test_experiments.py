@@ -265,6 +265,28 @@ def test_sft_prerequisite(tmp_path, monkeypatch):
     assert sweep_lib.sft_prerequisite(sweep_lib.plan(EXP / "real_scale.py", [0])) is None
 
 
+def test_slip_testbed_trains_its_own_reference(tmp_path, monkeypatch):
+    """An experiment file with sft_config(): the sweep trains that reference first."""
+    monkeypatch.chdir(tmp_path)
+    mod = _mod("slip_testbed")
+    table = sweep_lib.variants(mod, True)
+    assert list(table) == list(METHODS)
+    sft = mod.sft_config()
+    validate(sft)
+    assert (sft.data.sft_slip, sft.model.preset) == (0.6, "arith-medium")
+    for cfg in table.values():
+        validate(cfg, _devices(cfg))
+        assert cfg.model.path == f"{sft.train.out_dir}/model"
+        assert _changed(cfg, table["erpo"]) <= {
+            "loss.beta_policy", "loss.beta_query", "algo.weight_scheme", "algo.method"}
+    runs = sweep_lib.plan(EXP / "slip_testbed.py", [0], cpu=True)
+    assert sweep_lib.sft_prerequisite(runs, sft) == sft
+    with pytest.raises(ValueError, match="not the shared one"):
+        sweep_lib.sft_prerequisite(runs)
+    with pytest.raises(ValueError, match="--cpu"):
+        sweep_lib.variants(mod, False)
+
+
 def test_sweep_runs_skips_flags_stale_and_reports(tmp_path, capsys, monkeypatch):
     # The run processes share this session's compilation cache: the same programs were
     # compiled by test_cpu_variant_trains_two_steps (same flags, same precision).

@@ -30,9 +30,10 @@ once. One line per run, with its wall time, is appended to
 `<runs-root>/E/sweep.log`. At the end, every finished run under
 `<runs-root>/E/` goes into `report.write_report` (`<runs-root>/E/report/`).
 
-Runs that start from `model.init='sft'` at the shared CPU reference model
-(`runs/sft-arith/model`, `demo.arith_sft_config()`) get it trained first if it
-is absent.
+Runs that start from `model.init='sft'` at their SFT reference model get it
+trained first if it is absent: the experiment file's `sft_config()` if it has
+one, else the shared CPU reference (`runs/sft-arith/model`,
+`demo.arith_sft_config()`).
 """
 
 from __future__ import annotations
@@ -244,12 +245,13 @@ def _subprocess(kind: str, cfg: RunConfig, log: Path, runs_root: Path) -> int:
                 _CHILDREN.procs.discard(proc)
 
 
-def sft_prerequisite(runs: list[Run]) -> RunConfig | None:
-    """The shared CPU SFT config if some run needs it and it is absent; raises if a
-    run needs an SFT model that is absent and that this runner does not know."""
+def sft_prerequisite(runs: list[Run], sft: RunConfig | None = None) -> RunConfig | None:
+    """The SFT config if some run needs its model and it is absent; raises if a run
+    needs an SFT model that is absent and that this runner does not know. `sft`:
+    the experiment file's `sft_config()`, else the shared `demo.arith_sft_config()`."""
     from erpo_jax.tools.demo import arith_sft_config
     from erpo_jax.train.sft import MODEL_SUBDIR
-    sft = arith_sft_config()
+    sft = sft or arith_sft_config()
     known = Path(sft.train.out_dir) / MODEL_SUBDIR
     for r in runs:
         m = r.cfg.model
@@ -265,8 +267,8 @@ def sft_prerequisite(runs: list[Run]) -> RunConfig | None:
         diff = _first_difference(_saved(saved), _jsonable(sft))
         if diff is not None:
             raise ValueError(f"{sft.train.out_dir} was trained with a different config "
-                             f"({'.'.join(diff)} differs from demo.arith_sft_config()); delete "
-                             "it, and the RL runs started from it, to retrain.")
+                             f"({'.'.join(diff)} differs from the experiment's SFT config); "
+                             "delete it, and the RL runs started from it, to retrain.")
     return None
 
 
@@ -278,8 +280,10 @@ def _log(path: Path, line: str) -> None:
 
 
 def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
-              dry_run: bool = False, restart_stale: bool = False) -> dict[str, list[Run]]:
-    """Run what is not done; returns {'done', 'ran', 'failed', 'stale': [Run]}."""
+              dry_run: bool = False, restart_stale: bool = False,
+              sft: RunConfig | None = None) -> dict[str, list[Run]]:
+    """Run what is not done, the SFT model they start from first (`sft`: see
+    `sft_prerequisite`); returns {'done', 'ran', 'failed', 'stale': [Run]}."""
     for r in runs:
         validate(r.cfg)
     if not dry_run and rundir.is_remote(runs_root):
@@ -309,12 +313,12 @@ def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
             print(f"[sweep] {st:7s} {r.label} {detail}".rstrip(), flush=True)
     if dry_run:
         return out
-    sft = sft_prerequisite(todo)
+    sft = sft_prerequisite(todo, sft)
     if sft is not None:
         t0 = time.perf_counter()
         rc = _subprocess("sft", sft, Path(sft.train.out_dir) / "sft.log", runs_root)
         for e in exps:
-            _log(logs[e], f"{time.strftime('%Y-%m-%d %H:%M:%S')} sft-arith rc={rc} "
+            _log(logs[e], f"{time.strftime('%Y-%m-%d %H:%M:%S')} {sft.name} rc={rc} "
                           f"wall={time.perf_counter() - t0:.0f}s")
         if rc != 0:
             raise RuntimeError(f"the SFT reference run failed (rc={rc}); see "
@@ -421,7 +425,8 @@ def _run(args: argparse.Namespace) -> int:
           f"({'CPU' if args.cpu else 'full'} configs, seeds {seeds}, jobs {args.jobs})",
           flush=True)
     t0 = time.perf_counter()
-    out = run_sweep(runs, args.jobs, args.runs_root, args.dry_run, args.restart_stale)
+    sft = mod.sft_config() if hasattr(mod, "sft_config") else None
+    out = run_sweep(runs, args.jobs, args.runs_root, args.dry_run, args.restart_stale, sft)
     if args.dry_run:
         return 0
     print(f"[sweep] {len(out['ran'])} ran, {len(out['done'])} already done, "
