@@ -75,16 +75,6 @@ def _eval_at(r, step: int, key: str = "greedy_acc"):
     return next(e["average"].get(key) for e in r["evals"] if e["step"] == step)
 
 
-def _series_max(r, key):
-    v = report.series(r, key)[1]
-    return float(v.max())
-
-
-def _series_min(r, key):
-    v = report.series(r, key)[1]
-    return float(v.min())
-
-
 def main_table() -> list[str]:
     by = runs("main_comparison")
     lines = ["| method | final greedy pass@1 | final sampled pass@1 | final pass@4 |",
@@ -134,8 +124,8 @@ def long_horizon_table() -> list[str]:
             f"| {label} | {100 * at60:.1f} → {_pct([_final(r, 'greedy_acc') for r in rs])} | "
             f"{_pct([_final(r, 'pass@1') for r in rs])} | "
             f"{_per_seed(_drifts(rs))} | "
-            f"{_per_seed([_series_max(r, 'drift/qkl_k3') for r in rs])} | "
-            f"{_per_seed([_series_min(r, 'entropy') for r in rs])} |")
+            f"{_per_seed([report._max(r, 'drift/qkl_k3') for r in rs])} | "
+            f"{_per_seed([report._min(r, 'entropy') for r in rs])} |")
     return lines
 
 

@@ -15,11 +15,15 @@ from erpo_jax.tools import report
 EXP = Path(__file__).resolve().parent.parent / "experiments"
 
 
-def _tables():
-    spec = importlib.util.spec_from_file_location("results_tables", EXP / "results_tables.py")
+def _load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _tables():
+    return _load(EXP / "results_tables.py")
 
 
 @pytest.mark.parametrize("name", list(_tables().TABLES))
@@ -45,10 +49,7 @@ def test_committed_report_is_remade_from_its_summaries(experiment, tmp_path):
 
 def test_benchmarks_md_holds_the_targets_table_of_the_committed_bench_report():
     import json
-    spec = importlib.util.spec_from_file_location(
-        "bench_targets", EXP / "profiles" / "bench_targets.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load(EXP / "profiles" / "bench_targets.py")
     report = json.loads((EXP / "results" / "bench" / "targets.json").read_text())
     table = "\n".join(mod.rows(report))
     assert table in (EXP / "BENCHMARKS.md").read_text(), table

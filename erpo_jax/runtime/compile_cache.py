@@ -39,16 +39,21 @@ DEFAULT_DIR = "~/.cache/erpo_jax/jax_cache"
 MIN_COMPILE_SECONDS = 0.2
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags as the kernel lists them ('' where it does not)."""
+def cpuinfo(*fields: str) -> str:
+    """The first of `fields` that /proc/cpuinfo lists, its value ('' where none is)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.split(":")[0].strip() in ("flags", "Features"):
+                if line.split(":")[0].strip() in fields:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags as the kernel lists them ('' where it does not)."""
+    return cpuinfo("flags", "Features")
 
 
 def machine_tag(cpu_flags: str | None = None) -> str:

@@ -151,6 +151,11 @@ _OOM = re.compile(r"RESOURCE_EXHAUSTED: .*?required for (.+?) \(([\d.]+)([KMGT])
 _UNIT = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
+def _limit_bytes(top: Topology, margin: float) -> float:
+    """What a program may use per chip: the HBM less the margin."""
+    return top.hbm_gib * GIB * (1 - margin)
+
+
 def _measure(lowered, top: Topology, margin: float) -> dict:
     """The compiled program's memory and cost; when the compiler itself refuses
     (more than the chip's HBM), its own numbers, with `fits` false."""
@@ -164,7 +169,7 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
         need = float(m.group(2)) * _UNIT[m.group(3)]
         return {"compile_s": round(time.perf_counter() - t0, 1), "bytes": None,
                 "peak_bytes": need, "peak_gib": need / GIB,
-                "limit_gib": top.hbm_gib * (1 - margin), "fits": False,
+                "limit_gib": _limit_bytes(top, margin) / GIB, "fits": False,
                 "compiler_error": f"{m.group(1)} need {m.group(2)}{m.group(3)}, the compiler "
                                   f"allows {m.group(4)}{m.group(5)}",
                 "xla_flops": None, "xla_bytes_accessed": None}
@@ -176,7 +181,7 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
            "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes,
            "generated_code": m.generated_code_size_in_bytes}
     peak = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
-    limit = top.hbm_gib * GIB * (1 - margin)
+    limit = _limit_bytes(top, margin)
     return {"compile_s": round(secs, 1), "bytes": mem, "peak_bytes": peak,
             "peak_gib": peak / GIB, "limit_gib": limit / GIB, "fits": peak <= limit,
             "xla_flops": float(cost.get("flops", 0.0)),
@@ -383,7 +388,7 @@ def program_peaks(cfg, top: Topology, names: tuple) -> list[float]:
 def fits(cfg, top: Topology, margin: float, names: tuple) -> bool:
     """Whether the programs `names` of cfg fit `top` less `margin` (compiled, quietly;
     a program the compiler refused has a peak above the whole HBM)."""
-    return max(program_peaks(cfg, top, names)) <= top.hbm_gib * GIB * (1 - margin)
+    return max(program_peaks(cfg, top, names)) <= _limit_bytes(top, margin)
 
 
 def _with(cfg, section: str, **kw):

@@ -186,6 +186,16 @@ def _last(run: dict, key: str) -> float | None:
     return float(v[-1]) if v.size else None
 
 
+def _max(run: dict, key: str) -> float | None:
+    v = series(run, key)[1]
+    return float(v.max()) if v.size else None
+
+
+def _min(run: dict, key: str) -> float | None:
+    v = series(run, key)[1]
+    return float(v.min()) if v.size else None
+
+
 # Quantities an effect can be computed on: label -> (per-run value, in percent?).
 QUANTITIES = {
     "final avg acc": (lambda r: eval_table(r).get("final", {}).get("average"), True),
@@ -234,11 +244,9 @@ def stability_table(runs: Sequence[dict], collapse_drop: float,
     for name, rs in group(runs).items():
         steps = [collapse_step(r, collapse_drop, entropy_floor) for r in rs]
         drift = [_last(r, "drift/qkl_k3") for r in rs]
-        maxdrift = [float(np.max(series(r, "drift/qkl_k3")[1]))
-                    if series(r, "drift/qkl_k3")[1].size else None for r in rs]
+        maxdrift = [_max(r, "drift/qkl_k3") for r in rs]
         ent = [_last(r, "entropy") for r in rs]
-        minent = [float(np.min(series(r, "entropy")[1])) if series(r, "entropy")[1].size
-                  else None for r in rs]
+        minent = [_min(r, "entropy") for r in rs]
         length = [_last(r, "response_len_mean") for r in rs]
         dd = _drift_digits(drift + maxdrift)
         lines.append(
@@ -284,16 +292,13 @@ def seed_table(runs: Sequence[dict], collapse_drop: float, entropy_floor: float)
             acc = lambda part: t.get(part, {}).get("average") if t else None
             first = r["evals"][0]["average"] if r["evals"] else {}
             last = r["evals"][-1]["average"] if r["evals"] else {}
-            drift, ent = series(r, "drift/qkl_k3")[1], series(r, "entropy")[1]
             step = collapse_step(r, collapse_drop, entropy_floor)
             lines.append(
                 f"| {name} | {r['config'].get('train', {}).get('seed', 0)} | "
                 f"{pct(acc('initial'))} | {pct(acc('final'))} | {pct(acc('best'))} | "
                 + "".join(f"{pct(first.get(k))} | {pct(last.get(k))} | " for k in sampled)
-                + f"{num(_last(r, 'drift/qkl_k3'), 3)} | "
-                f"{num(float(drift.max()) if drift.size else None, 3)} | "
-                f"{num(_last(r, 'entropy'), 3)} | "
-                f"{num(float(ent.min()) if ent.size else None, 3)} | "
+                + f"{num(_last(r, 'drift/qkl_k3'), 3)} | {num(_max(r, 'drift/qkl_k3'), 3)} | "
+                f"{num(_last(r, 'entropy'), 3)} | {num(_min(r, 'entropy'), 3)} | "
                 f"{'-' if step is None else step} | "
                 f"{num(r.get('wall_s'), 0)} |")
     return lines
@@ -403,7 +408,12 @@ def plot(runs: Sequence[dict], out_dir: str | Path, keys=PLOT_KEYS) -> list[Path
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str = "Report",
                  **kw) -> Path:
     """REPORT.md (tables, then the plots) and one PNG per plotted key in `out_dir`."""
-    runs = [load_run(d) for d in run_dirs]
+    return report_runs([load_run(d) for d in run_dirs], out_dir, title, **kw)
+
+
+def report_runs(runs: Sequence[dict], out_dir: str | Path, title: str = "Report",
+                **kw) -> Path:
+    """`write_report` of runs already loaded (`load_run`)."""
     out_dir = rundir.path(out_dir)
     pngs = plot(runs, out_dir)
     text = [f"# {title}", "", markdown(runs, **kw), ""]
@@ -439,7 +449,7 @@ def add_parser(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    dirs = expand_run_dirs(args.runs)
+    runs = [load_run(d) for d in expand_run_dirs(args.runs)]
     title, kw = "erpo-jax report", {}
     if args.experiment:
         from erpo_jax.tools import sweep
@@ -449,14 +459,14 @@ def _run(args: argparse.Namespace) -> int:
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)
     if args.baseline:
-        names = list(group([load_run(d) for d in dirs]))
+        names = list(group(runs))
         if args.baseline not in names:
             raise ValueError(f"--baseline {args.baseline!r} is not one of the methods {names}.")
         kw["comparisons"] = [(n, args.baseline) for n in names if n != args.baseline]
-    path = write_report(dirs, args.out, args.title or title, **kw)
+    path = report_runs(runs, args.out, args.title or title, **kw)
     print(path)
     if args.write_summaries:
         from erpo_jax.tools.run_summary import write_summaries
-        for p in write_summaries([load_run(d) for d in dirs], args.write_summaries):
+        for p in write_summaries(runs, args.write_summaries):
             print(p)
     return 0

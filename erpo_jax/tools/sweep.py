@@ -377,17 +377,18 @@ def report_options(mod: ModuleType | None, default_title: str) -> tuple[str, dic
 
 def report(exp_dir: str | Path, mod: ModuleType | None = None) -> Path | None:
     """REPORT.md and PNGs of every finished run of an experiment, in `<exp_dir>/report`."""
-    from erpo_jax.tools.report import load_run, write_report
+    from erpo_jax.tools.report import load_run, report_runs
     from erpo_jax.tools.run_summary import write_summaries
     exp_dir = Path(exp_dir)
     dirs = finished_run_dirs(exp_dir)
     if not dirs:
         return None
     title, kw = report_options(mod, exp_dir.name)
-    path = write_report(dirs, exp_dir / "report", title=title, **kw)
+    runs = [load_run(d) for d in dirs]
+    path = report_runs(runs, exp_dir / "report", title=title, **kw)
     # The committable record: report/ with runs/<variant>/seed<k>.json can be copied to
     # experiments/results/<experiment>/, and `erpo report --experiment` remakes it.
-    write_summaries([load_run(d) for d in dirs], exp_dir / "report" / "runs")
+    write_summaries(runs, exp_dir / "report" / "runs")
     return path
 
 

@@ -51,11 +51,6 @@ def host() -> dict:
     """The machine a report was measured on: CPU model and cores (Linux), OS."""
     import os
     import platform
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.split(":")[0].strip() == "model name"), cpu)
-    except OSError:
-        pass
+    from erpo_jax.runtime.compile_cache import cpuinfo
+    cpu = cpuinfo("model name") or platform.processor() or platform.machine()
     return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.platform()}
