@@ -222,3 +222,42 @@ def test_sft_slip_changes_only_the_demonstrations():
                        ("data.task=jsonl", "data.sft_slip.*set it to 0")):
         with pytest.raises(ValueError, match=match):
             validate(apply_overrides(base, ["data.sft_slip=0.5", bad, "data.train_file=x"]))
+
+
+def test_validation_split_is_apart_from_train_and_test():
+    from erpo_jax.train.config import RunConfig, apply_overrides, validate
+    from erpo_jax.train.tasks import load_task, load_tokenizer
+    plain = ar.split(seed=3, n_train=3000, n_test=50)
+    held = ar.split(seed=3, n_train=3000, n_test=50, n_val=40)
+    assert held.test == plain.test and plain.val == {}   # the test sets do not move
+    assert list(held.val) == list(ar.TRAIN_MIX)           # training families only
+    test_prompts = {p.question for ps in held.test.values() for p in ps}
+    for family, problems in held.val.items():
+        prompts = [p.question for p in problems]
+        assert len(problems) == 40 and len(set(prompts)) == 40, family
+        assert not set(prompts) & test_prompts, family
+        assert all(p.source == family and "/val/" in p.id for p in problems), family
+    ar.check_disjoint(held.train, held.val)
+    assert len(held.train) == 3000
+    # mul has 720 distinct problems, of which test + validation take 90 here.
+    val_mul = {p.question for p in held.val["mul"]}
+    assert not val_mul & {p.question for p in held.train}
+    with pytest.raises(ValueError, match="distinct 'mul' val problems.*lower n_val"):
+        ar.split(seed=0, n_train=10, n_test=400, n_val=400, test_families=["mul"])
+
+    # Through the config: the SFT and RL runs train without the validation problems, and
+    # train.eval_split='validation' evaluates (and measures drift) on them, never the test sets.
+    base = apply_overrides(RunConfig(), ["data.n_train=2000", "data.n_test=30", "data.n_val=20"])
+    tok = load_tokenizer(None)
+    on_test, on_val = load_task(base, tok), load_task(
+        apply_overrides(base, ["train.eval_split=validation"]), tok)
+    assert on_test.train == on_val.train and set(on_test.eval_sets) == set(ar.TEST_FAMILIES)
+    assert on_val.eval_sets == {f"val_{f}": ps for f, ps in ar.split(
+        0, 2000, 30, n_val=20).val.items()}
+    assert {p.question for p in on_val.drift_set} <= {
+        p.question for ps in on_val.eval_sets.values() for p in ps}
+    for bad, match in (("train.eval_split=validation data.n_val=0", "data.n_val=0 holds out"),
+                       ("train.eval_split=dev", "train.eval_split.*'test' or 'validation'"),
+                       ("data.n_val=-1", "data.n_val.*>= 0")):
+        with pytest.raises(ValueError, match=match):
+            validate(apply_overrides(base, bad.split()))

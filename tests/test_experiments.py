@@ -270,13 +270,23 @@ def test_slip_testbed_trains_its_own_reference(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     mod = _mod("slip_testbed")
     table = sweep_lib.variants(mod, True)
-    assert list(table) == list(METHODS)
+    assert list(table)[:3] == list(METHODS)
+    # Ablations: the 'erpo' run with its ablations.py change, nothing else.
+    for name, overrides in mod.ABLATIONS.items():
+        changed = _changed(table[name], table["erpo"])
+        assert changed and changed <= {o.split("=")[0] for o in overrides}, name
+    assert {"qkl+uniform", "noqkl+likelihood", "qkl_k2", "ppo+erpo",
+            "reinforce_pp+erpo"} <= set(mod.ABLATIONS)
+    assert len([v for v in mod.ABLATIONS if v.startswith("beta_q")]) >= 2
+    table = {m: table[m] for m in METHODS}
     sft = mod.sft_config()
     validate(sft)
-    assert (sft.data.sft_slip, sft.model.preset) == (0.6, "arith-medium")
+    assert (sft.data.sft_slip, sft.model.preset, sft.data.n_val) == (0.6, "arith-medium", 100)
     for cfg in table.values():
         validate(cfg, _devices(cfg))
         assert cfg.model.path == f"{sft.train.out_dir}/model"
+        # Trained without the validation problems, as the reference was; judged on the test sets.
+        assert (cfg.data.n_val, cfg.train.eval_split) == (100, "test")
         assert _changed(cfg, table["erpo"]) <= {
             "loss.beta_policy", "loss.beta_query", "algo.weight_scheme", "algo.method"}
     runs = sweep_lib.plan(EXP / "slip_testbed.py", [0], cpu=True)
@@ -285,6 +295,40 @@ def test_slip_testbed_trains_its_own_reference(tmp_path, monkeypatch):
         sweep_lib.sft_prerequisite(runs)
     with pytest.raises(ValueError, match="--cpu"):
         sweep_lib.variants(mod, False)
+
+
+def test_slip_searches_look_only_at_the_validation_split(tmp_path, monkeypatch):
+    """The coefficient and stress-regime searches evaluate on validation problems, from
+    the testbed's reference, and differ from its main runs only in what they search."""
+    monkeypatch.chdir(tmp_path)
+    main = sweep_lib.variants(_mod("slip_testbed"), True)
+    tuning, search = _mod("slip_tuning"), _mod("slip_search")
+    grid = sweep_lib.variants(tuning, True)
+    assert len(grid) == 6 and tuning.sft_config() == _mod("slip_testbed").sft_config()
+    searched = {"train.eval_split", "train.eval_every"}
+    for name, cfg in grid.items():
+        validate(cfg, _devices(cfg))
+        method, beta = name.rsplit("-b", 1)
+        field = "loss.beta_policy" if method == "grpo+policy_kl" else "loss.beta_query"
+        assert _changed(cfg, main[method]) <= searched | {field}, name
+        assert cfg.to_dict()["loss"][field.split(".")[1]] == float(beta)
+        assert cfg.train.eval_split == "validation"
+    for m in ("grpo+policy_kl", "erpo"):   # at least 3 values each, the default among them
+        assert len(tuning.GRID[m]) >= 3
+    regimes = sweep_lib.variants(search, True)
+    assert len(regimes) >= 5
+    for name, cfg in regimes.items():
+        validate(cfg, _devices(cfg))
+        assert cfg.train.eval_split == "validation" and cfg.algo.method == "no_kl"
+        assert _changed(cfg, main["no_kl"]) <= searched | {
+            "optim.lr", "rollout.temperature", "train.steps", "train.ckpt_every",
+            "train.eval_n", "train.eval_k"}, name
+    assert {c.rollout.temperature for c in regimes.values()} >= {1.5, 2.0}
+    # chosen(): the best mean final validation accuracy per method.
+    fake = [{"name": n, "evals": [{"average": {"greedy_acc": a}}]} for n, a in (
+        ("erpo-b0.1", 0.5), ("erpo-b0.1", 0.7), ("erpo-b0.3", 0.65), ("erpo-b0.3", 0.6),
+        ("grpo+policy_kl-b0.04", 0.4), ("grpo+policy_kl-b0.01", 0.45))]
+    assert tuning.chosen(fake) == {"erpo": 0.3, "grpo+policy_kl": 0.01}
 
 
 def test_sweep_runs_skips_flags_stale_and_reports(tmp_path, capsys, monkeypatch):

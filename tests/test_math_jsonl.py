@@ -241,3 +241,21 @@ def test_a_batch_over_its_budget_scores_the_rest_as_over_budget():
     assert reasons[1:] == ["over_budget"] * 6 and np.all(rewards[1:] == 0.0)
     from erpo_jax.rewards.outcome import count_reasons
     assert count_reasons(reasons)["reward/over_budget"] >= 1
+
+
+def test_validation_rows_are_held_out_of_a_training_file(tmp_path, tok_dir):
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(20)]
+    train = _write(tmp_path / "t.jsonl", rows)
+    tok = load_tokenizer(tok_dir)
+    base = _cfg(tmp_path, tok_dir, train, "data.n_val=5", "train.drift_every=0")
+    kept = load_task(base, tok)
+    kept.close()
+    task = load_task(apply_overrides(base, ["train.eval_split=validation",
+                                            "train.drift_every=2"]), tok)
+    task.close()
+    val = {p.id for p in task.eval_sets["validation"]}
+    assert list(task.eval_sets) == ["validation"] and len(val) == 5 and len(task.train) == 15
+    assert not val & {p.id for p in task.train} and kept.train == task.train
+    assert {p.id for p in task.drift_set} == val      # drift on validation, no further hold-out
+    with pytest.raises(ValueError, match=r"config field data\.n_val: holding 18 .*lower"):
+        load_task(_cfg(tmp_path, tok_dir, train, "data.n_val=18"), tok)

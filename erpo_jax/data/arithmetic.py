@@ -268,23 +268,27 @@ def slipped(problem: Problem, rng: np.random.Generator, p: float) -> Problem:
 class ArithmeticSplits:
     train: list[Problem]
     test: dict[str, list[Problem]]  # family -> problems, unique prompts
+    # training family -> validation problems (unique prompts, in neither train nor test)
+    val: dict[str, list[Problem]] = dataclasses.field(default_factory=dict)
 
 
 def _reid(p: Problem, split: str, i: int) -> Problem:
     return dataclasses.replace(p, id=f"{p.source}/{split}/{i:06d}")
 
 
-def _unique_test_set(gen: Generator, rng: np.random.Generator, n: int, family: str) -> list[Problem]:
+def _unique_set(gen: Generator, rng: np.random.Generator, n: int, family: str,
+                split_name: str = "test", exclude: frozenset[str] = frozenset()) -> list[Problem]:
     seen: dict[str, Problem] = {}
     for _ in range(50):
         for p in gen(rng, max(2 * (n - len(seen)), 16)):
-            if len(seen) < n:
+            if len(seen) < n and p.question not in exclude:
                 seen.setdefault(p.question, p)
         if len(seen) == n:
-            return [_reid(p, "test", i) for i, p in enumerate(seen.values())]
+            return [_reid(p, split_name, i) for i, p in enumerate(seen.values())]
+    knob = "n_test" if split_name == "test" else "n_val or n_test"
     raise ValueError(
-        f"could not draw {n} distinct {family!r} test problems (got {len(seen)}); "
-        "the family has fewer distinct problems than that: lower n_test"
+        f"could not draw {n} distinct {family!r} {split_name} problems (got {len(seen)}); "
+        f"the family has fewer distinct problems than that: lower {knob}"
     )
 
 
@@ -304,6 +308,7 @@ def split(
     n_train: int,
     n_test: int = 200,
     *,
+    n_val: int = 0,
     train_mix: Mapping[str, float] = TRAIN_MIX,
     test_families: Sequence[str] = tuple(TEST_FAMILIES),
 ) -> ArithmeticSplits:
@@ -316,6 +321,13 @@ def split(
     size even for families with few distinct problems (`mul` has 720), which
     training would otherwise exhaust. Training may repeat a prompt.
 
+    With `n_val` > 0, each training family also gets n_val validation
+    problems (stream ``[seed, 3, k]``, drawn after the test sets and never
+    sharing a prompt with them), which training then excludes as it excludes
+    the test sets: problems of the training distribution to choose
+    coefficients on without looking at the test sets. The test sets do not
+    depend on n_val; the training set is the n_val = 0 one only when n_val = 0.
+
     Returns ArithmeticSplits; `check_disjoint` is asserted before returning.
     """
     unknown = [f for f in [*train_mix, *test_families] if f not in TEST_FAMILIES]
@@ -325,8 +337,16 @@ def split(
     for k, family in enumerate(TEST_FAMILIES):
         if family in test_families:
             rng = np.random.default_rng([seed, 1, k])
-            test[family] = _unique_test_set(TEST_FAMILIES[family], rng, n_test, family)
+            test[family] = _unique_set(TEST_FAMILIES[family], rng, n_test, family)
     held_out = {p.question for ps in test.values() for p in ps}
+    val: dict[str, list[Problem]] = {}
+    if n_val:
+        for k, family in enumerate(TEST_FAMILIES):
+            if family in train_mix:
+                rng = np.random.default_rng([seed, 3, k])
+                val[family] = _unique_set(TEST_FAMILIES[family], rng, n_val, family, "val",
+                                          frozenset(held_out))
+        held_out |= {p.question for ps in val.values() for p in ps}
 
     rng = np.random.default_rng([seed, 0])
     names = list(train_mix)
@@ -348,7 +368,8 @@ def split(
     order = rng.permutation(len(train))
     train = [_reid(train[j], "train", i) for i, j in enumerate(order)]
     check_disjoint(train, test)
-    return ArithmeticSplits(train, test)
+    check_disjoint(train, val)
+    return ArithmeticSplits(train, test, val)
 
 
 def training_text(problem: Problem) -> str:

@@ -62,12 +62,17 @@ class DataSection:
     sft_slip: the arithmetic task's SFT demonstrations drop each carry or
       borrow with this probability (`arithmetic.slipped`; gold answers stay
       true): a reference that is often right but not reliably. 0 = exact.
+    n_val: validation problems held out of training, to choose coefficients
+      on without looking at the test sets (train.eval_split='validation'):
+      per training family for the arithmetic task (drawn apart from its test
+      sets), rows of the training file for a JSONL task. 0 = none.
     """
 
     task: str = "arithmetic"
     seed: int = 0
     n_train: int = 4000
     n_test: int = 100
+    n_val: int = 0
     train_file: str = ""
     question_field: str = "question"
     answer_field: str = "answer"
@@ -169,6 +174,9 @@ class TrainSection:
     eval_temperature: float = 1.0
     eval_k: tuple[int, ...] = (1,)
     eval_max_problems: int = 100
+    # 'test': evaluate on the test sets (the arithmetic families, data.eval_benchmarks);
+    # 'validation': on the data.n_val validation problems instead, for coefficient searches.
+    eval_split: str = "test"
     drift_every: int = 5
     drift_queries: int = 64
     policy_kl_metric: bool = False  # also log response Policy-KL every drift_every steps
@@ -289,6 +297,13 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     if d.sft_slip and d.task != "arithmetic":
         _fail("data.sft_slip", f"slips the arithmetic task's worked solutions, but data.task="
               f"{d.task!r}; set it to 0.")
+    if d.n_val < 0:
+        _fail("data.n_val", f"must be >= 0, got {d.n_val}.")
+    if cfg.train.eval_split not in ("test", "validation"):
+        _fail("train.eval_split", f"is {cfg.train.eval_split!r}; use 'test' or 'validation'.")
+    if cfg.train.eval_split == "validation" and not d.n_val:
+        _fail("train.eval_split", "is 'validation' but data.n_val=0 holds out no validation "
+              "problems; set data.n_val (e.g. 100).")
     if d.task == "jsonl" and not d.train_file:
         _fail("data.train_file", "is empty but data.task='jsonl' needs a training JSONL file.")
     if d.answer_format not in ("plain", "gsm8k", "boxed"):

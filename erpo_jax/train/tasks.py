@@ -165,12 +165,14 @@ def load_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
     if d.task == "arithmetic":
         from erpo_jax.data import arithmetic
         from erpo_jax.rewards.arithmetic_reward import arithmetic_rewards
-        splits = arithmetic.split(d.seed, d.n_train, d.n_test)
+        splits = arithmetic.split(d.seed, d.n_train, d.n_test, n_val=d.n_val)
         train = splits.train
         if d.sft_slip:   # its own stream: the problems stay those of sft_slip=0
             rng = np.random.default_rng([d.seed, 2])
             train = [arithmetic.slipped(p, rng, d.sft_slip) for p in train]
-        task = Task("arithmetic", train, [], dict(splits.test), tokenizer,
+        evals = ({f"val_{f}": ps for f, ps in splits.val.items()}
+                 if cfg.train.eval_split == "validation" else dict(splits.test))
+        task = Task("arithmetic", train, [], evals, tokenizer,
                     "arithmetic-v1", lambda texts, golds: arithmetic_rewards(
                         list(zip(texts, golds))))
         task.drift_set = _interleave(task.eval_sets)
@@ -208,6 +210,15 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
                   f"{report['unparseable']} golds math-verify cannot parse (first ids: "
                   f"{report['first_ids']}); {len(train)} problems left (data.skip_bad_rows).",
                   flush=True)
+        if d.n_val:
+            if len(train) - d.n_val < t.batch_size:
+                raise ValueError(
+                    f"config field data.n_val: holding {d.n_val} validation rows out of "
+                    f"{len(train)} leaves fewer than train.batch_size={t.batch_size} to train "
+                    "on; lower data.n_val.")
+            train, val = _hold_out(train, d.n_val, t.batch_size, d.seed, stream=8)
+            if t.eval_split == "validation":
+                evals = {"validation": val}
         drift = _interleave(evals)
         if t.drift_every > 0 and not drift:
             # No evaluation sets: measure drift on training rows held out of training.
@@ -232,16 +243,16 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
                 load_report=report)
 
 
-def _hold_out(train: list[Problem], n: int, batch_size: int, seed: int):
-    """(training rows, n held-out rows), drawn by `seed`; refuses when fewer
-    than one batch of training rows would be left."""
+def _hold_out(train: list[Problem], n: int, batch_size: int, seed: int, stream: int = 7):
+    """(training rows, n held-out rows), drawn by `seed` and `stream`; refuses
+    when fewer than one batch of training rows would be left."""
     if len(train) - n < batch_size:
         raise ValueError(
             f"config field train.drift_queries: with no data.eval_benchmarks, query drift is "
             f"measured on {n} training rows held out of training, but {len(train)} rows "
             f"leave fewer than train.batch_size={batch_size}; lower train.drift_queries, add "
             "data.eval_benchmarks, or set train.drift_every=0.")
-    order = np.random.default_rng([seed, 7]).permutation(len(train))
+    order = np.random.default_rng([seed, stream]).permutation(len(train))
     held = set(order[:n].tolist())
     return ([p for i, p in enumerate(train) if i not in held],
             [train[i] for i in sorted(held)])
