@@ -158,9 +158,211 @@ def wall_table() -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- the slip testbed (issue 19)
+
+
+def _mean(values) -> float:
+    return float(np.mean([v for v in values if v is not None]))
+
+
+def slip_tuning_table() -> list[str]:
+    from erpo_jax.tools.sweep import load_experiment
+    tuning = load_experiment(Path(__file__).with_name("slip_tuning.py"))
+    by = runs("slip_tuning")
+    chosen = tuning.chosen([r for rs in by.values() for r in rs])
+    lines = ["| method | coefficient | final validation greedy pass@1, per seed | mean | "
+             "final validation pass@8 (mean) | final drift (mean) | chosen |",
+             "|---|---|---|---|---|---|---|"]
+    for method, betas in tuning.GRID.items():
+        symbol = "β_policy" if method == "grpo+policy_kl" else "β_q"
+        for b in betas:
+            rs = by[f"{method}-b{b}"]
+            greedy = [_final(r, "greedy_acc") for r in rs]
+            lines.append(f"| {LABELS[method]} | {symbol} = {b:g} | "
+                         f"{' / '.join(f'{100 * g:.1f}' for g in greedy)} | "
+                         f"{100 * _mean(greedy):.1f} | "
+                         f"{100 * _mean([_final(r, 'pass@8') for r in rs]):.1f} | "
+                         f"{_mean(_drifts(rs)):.3f} | {'**yes**' if chosen[method] == b else ''} |")
+    return lines
+
+
+def _diff(a, b, scale: float = 100.0, digits: int = 1) -> tuple[str, dict]:
+    e = report.effect(a, b)
+    return (f"{e['diff'] * scale:+.{digits}f} [{(e['diff'] - e['half']) * scale:+.{digits}f}, "
+            f"{(e['diff'] + e['half']) * scale:+.{digits}f}]", e)
+
+
+def _reference_evals() -> list[dict]:
+    """The step-0 evaluation of every main-comparison run: the reference, sampled
+    with each run's seed."""
+    by = runs("slip_testbed")
+    return [r["evals"][0] for m in LABELS for r in by[m]]
+
+
+def slip_reference_table() -> list[str]:
+    evs = _reference_evals()
+    five = [f for f in evs[0]["sets"] if f != "add_long"]
+    lines = ["| families | greedy pass@1 | sampled pass@1 | pass@8 | pass@8 − pass@1 |",
+             "|---|---|---|---|---|"]
+    for label, fams in (("all six", list(evs[0]["sets"])), ("the five training families", five)):
+        def avg(e, key):
+            return float(np.mean([e["sets"][f][key] for f in fams]))
+        p1, p8 = [avg(e, "pass@1") for e in evs], [avg(e, "pass@8") for e in evs]
+        lines.append(f"| {label} | {100 * avg(evs[0], 'greedy_acc'):.1f} | {_pct(p1)} | "
+                     f"{_pct(p8)} | {_pct(np.subtract(p8, p1))} |")
+    return lines
+
+
+def slip_main_table() -> list[str]:
+    by = runs("slip_testbed")
+    lines = ["| method | final greedy pass@1 | gain over the reference | final sampled pass@1 | "
+             "final pass@8 | final drift, per seed | reference forward s/step |",
+             "|---|---|---|---|---|---|---|"]
+    for m, label in LABELS.items():
+        rs = by[m]
+        gain = [_final(r, "greedy_acc") - _eval_at(r, 0) for r in rs]
+        ref_s = np.median([v for r in rs for v in r["metrics"]["time/ref"] if v is not None])
+        lines.append(f"| {label} | {_pct([_final(r, 'greedy_acc') for r in rs])} | "
+                     f"{_pct(gain)} | {_pct([_final(r, 'pass@1') for r in rs])} | "
+                     f"{_pct([_final(r, 'pass@8') for r in rs])} | {_per_seed(_drifts(rs), 2)} | "
+                     f"{ref_s:.3f} |")
+    return lines
+
+
+def _collapses(rs, mod) -> list[int | None]:
+    return [report.collapse_step(r, mod.COLLAPSE_DROP, mod.ENTROPY_FLOOR) for r in rs]
+
+
+def _experiment(name: str):
+    from erpo_jax.tools.sweep import load_experiment
+    return load_experiment(Path(__file__).with_name(f"{name}.py"))
+
+
+def slip_search_table() -> list[str]:
+    mod, by = _experiment("slip_search"), runs("slip_search")
+    lines = ["| lr | T | steps | collapses | collapse steps | validation greedy: best → final, "
+             "per seed | min entropy (mean) | final drift (mean) |", "|---|---|---|---|---|---|---|---|"]
+    for lr, t, steps in mod.GRID:
+        rs = by[mod.name("no_kl", lr, t, steps)]
+        cs = _collapses(rs, mod)
+        tabs = [report.eval_table(r) for r in rs]
+        accs = " / ".join(f"{100 * tb['best']['average']:.1f} → {100 * tb['final']['average']:.1f}"
+                          for tb in tabs)
+        lines.append(f"| {lr:g} | {t:g} | {steps} | {sum(c is not None for c in cs)}/{len(rs)} | "
+                     f"{', '.join(str(c) for c in cs if c is not None) or '-'} | {accs} | "
+                     f"{_mean([report._min(r, 'entropy') for r in rs]):.4f} | "
+                     f"{_mean(_drifts(rs)):.2f} |")
+    return lines
+
+
+def slip_stress_table() -> list[str]:
+    mod, by = _experiment("slip_stress"), runs("slip_stress")
+    lines = ["| method | collapses | collapse steps | best greedy pass@1 | final greedy pass@1 | "
+             "final drift, per seed | min entropy (mean) |", "|---|---|---|---|---|---|---|"]
+    for m, label in LABELS.items():
+        rs = by[m]
+        cs = _collapses(rs, mod)
+        tabs = [report.eval_table(r) for r in rs]
+        lines.append(f"| {label} | {sum(c is not None for c in cs)}/{len(rs)} | "
+                     f"{', '.join(str(c) for c in cs if c is not None) or '-'} | "
+                     f"{_pct([t['best']['average'] for t in tabs])} | "
+                     f"{_pct([t['final']['average'] for t in tabs])} | "
+                     f"{_per_seed(_drifts(rs), 2)} | "
+                     f"{_mean([report._min(r, 'entropy') for r in rs]):.4f} |")
+    return lines
+
+
+SLIP_ABLATIONS = {
+    "erpo": "nothing: QKL k3, tuned β_q, likelihood weights",
+    "qkl+uniform": "uniform weights (Query-KL only)",
+    "noqkl+likelihood": "no Query-KL (weights only)",
+    "no_kl": "neither (= GRPO, no KL)",
+    "qkl_k2": "Query-KL estimator k2",
+    "ppo+erpo": "PPO (GAE, learned critic) + ERPO",
+    "ppo+no_kl": "PPO, no KL",
+    "reinforce_pp+erpo": "REINFORCE++ + ERPO",
+    "reinforce_pp+no_kl": "REINFORCE++, no KL",
+}
+
+
+def slip_ablations_table() -> list[str]:
+    by = runs("slip_testbed")
+    lines = ["| variant | what changes | seeds | final greedy pass@1 | final sampled pass@1 | "
+             "final drift, per seed |", "|---|---|---|---|---|---|"]
+    for name, change in SLIP_ABLATIONS.items():
+        rs = [r for r in by.get(name, []) if r["config"]["train"]["seed"] < 3]
+        if not rs:
+            continue
+        lines.append(f"| {name} | {change} | {len(rs)} | "
+                     f"{_pct([_final(r, 'greedy_acc') for r in rs])} | "
+                     f"{_pct([_final(r, 'pass@1') for r in rs])} | {_per_seed(_drifts(rs), 2)} |")
+    return lines
+
+
+def slip_verdict_table() -> list[str]:
+    """Claim, the numbers that test it (ERPO − each baseline, 95% Welch CI over
+    seeds), and the verdict by a fixed rule: held when every CI is on ERPO's side
+    of 0, did not hold when one is on the other side, otherwise inconclusive."""
+    main, stress_mod, stress = runs("slip_testbed"), _experiment("slip_stress"), runs("slip_stress")
+    lines = ["| claim | measure (ERPO − baseline, 95% CI; 5 seeds) | vs GRPO + Policy-KL | "
+             "vs no KL | verdict |", "|---|---|---|---|---|"]
+
+    def row(claim, measure, fn, scale, digits, sign):
+        cells, sides = [], []
+        for b in ("grpo+policy_kl", "no_kl"):
+            text, e = _diff([fn(r) for r in main["erpo"]], [fn(r) for r in main[b]], scale, digits)
+            cells.append(text)
+            # the CI in ERPO's favour-is-positive orientation
+            sides.append(sorted((sign * (e["diff"] - e["half"]), sign * (e["diff"] + e["half"]))))
+        verdict = ("held" if all(lo > 0 for lo, _ in sides) else
+                   "did not hold" if any(hi < 0 for _, hi in sides) else "inconclusive")
+        lines.append(f"| {claim} | {measure} | {cells[0]} | {cells[1]} | **{verdict}** |")
+
+    row("1. higher accuracy", "final greedy pass@1, points",
+        lambda r: _final(r, "greedy_acc"), 100, 1, 1)
+    row("1. higher accuracy", "final sampled pass@1, points", lambda r: _final(r, "pass@1"), 100, 1, 1)
+    row("2. lower query drift", "final held-out QKL k3 (lower is better)",
+        lambda r: report._last(r, "drift/qkl_k3"), 1, 2, -1)
+    counts = {m: sum(c is not None for c in _collapses(stress[m], stress_mod)) for m in LABELS}
+    n = len(stress["erpo"])
+    worst = max(counts[b] for b in ("grpo+policy_kl", "no_kl"))
+    held = worst >= 2 and counts["erpo"] < min(
+        counts[b] for b in ("grpo+policy_kl", "no_kl") if counts[b] >= 2)
+    lines.append(f"| 3. more stable | collapses in the stress regime (lr {stress_mod.REGIME[0]:g}, "
+                 f"T {stress_mod.REGIME[1]:g}, {stress_mod.REGIME[2]} steps), ERPO "
+                 f"{counts['erpo']}/{n} | {counts['grpo+policy_kl']}/{n} | {counts['no_kl']}/{n} | "
+                 f"**{'held' if held else 'did not hold' if worst >= 2 else 'inconclusive'}** |")
+    ref = {m: np.median([v for r in main[m] for v in r["metrics"]["time/ref"] if v is not None])
+           for m in LABELS}
+    lines.append(f"| 4. no extra forward pass | reference forward s/step, ERPO {ref['erpo']:.3f} | "
+                 f"{ref['grpo+policy_kl']:.3f} | {ref['no_kl']:.3f} | "
+                 f"**{'held' if ref['erpo'] == 0 < ref['grpo+policy_kl'] else 'did not hold'}** |")
+    return lines
+
+
+def slip_wall_table() -> list[str]:
+    lines = ["| sweep | runs | wall |", "|---|---:|---:|"]
+    total_n = total_s = 0
+    for exp, label in (("slip_tuning", "coefficients on validation (2 seeds)"),
+                       ("slip_search", "stress-regime search on validation (2 seeds)"),
+                       ("slip_testbed", "main comparison (5 seeds) and ablations (3 seeds)"),
+                       ("slip_stress", "stress regime (5 seeds)")):
+        rs = [r for v in runs(exp).values() for r in v]
+        s = sum(r["wall_s"] for r in rs)
+        total_n, total_s = total_n + len(rs), total_s + s
+        lines.append(f"| {label} | {len(rs)} | {s:,.0f} s |")
+    lines.append(f"| **total** | **{total_n}** | **{total_s:,.0f} s "
+                 f"({int(total_s // 3600)} h {int(total_s % 3600 // 60)} min)** |")
+    return lines
+
+
 TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "temperature": temperature_table, "long_horizon": long_horizon_table,
-          "ablations": ablations_table}
+          "ablations": ablations_table, "slip_verdicts": slip_verdict_table,
+          "slip_reference": slip_reference_table, "slip_tuning": slip_tuning_table,
+          "slip_search": slip_search_table, "slip_main": slip_main_table,
+          "slip_stress": slip_stress_table, "slip_ablations": slip_ablations_table,
+          "slip_wall": slip_wall_table}
 
 
 def render(name: str) -> str:

@@ -9,14 +9,20 @@ twice the horizon (200 steps). Evaluated greedily on the validation split
 every 20 steps (the collapse test needs the evaluations in between), never on
 the test families. A run collapses, by the report's definition, at an
 evaluation more than 15 points below its best so far (COLLAPSE_DROP; the
-entropy floor is off on this testbed). The regime chosen from this search is
-slip_stress.py's.
+entropy floor is off on this testbed). `chosen_regime` picks slip_stress.py's
+REGIME: the grid point where the most seeds collapsed; among ties, the one
+whose first evaluation after step 0 is the highest on average (the mildest
+collapse, where a regulariser has the most room to matter).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
+from erpo_jax.tools import report
 from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import RunConfig
 
@@ -41,6 +47,20 @@ def variant(method: str, lr: float, temperature: float, steps: int) -> RunConfig
                                  eval_split="validation", eval_every=20, sampled_eval=False,
                                  name=name(method, lr, temperature, steps),
                                  experiment=EXPERIMENT)
+
+
+def chosen_regime(runs: Sequence[dict]) -> tuple[float, float, int]:
+    """(lr, temperature, steps) by the module docstring's rule; `runs` as
+    `erpo_jax.tools.report.load_run` gives them."""
+    by = report.group(runs)
+    scores = {}
+    for g in GRID:
+        rs = by.get(name("no_kl", *g), [])
+        if rs:
+            collapses = sum(report.collapsed(r, COLLAPSE_DROP, ENTROPY_FLOOR) for r in rs)
+            first = np.mean([r["evals"][1]["average"]["greedy_acc"] for r in rs])
+            scores[g] = (collapses, first)
+    return max(scores, key=scores.get)
 
 
 def get_config() -> RunConfig:

@@ -2,9 +2,10 @@
 
     erpo sweep experiments/slip_tuning.py --cpu --seeds 0,1 --jobs 2
 
-Each regularised method at three coefficients a factor of about 3-4 apart
-around the old testbed's (β_policy 0.01 / 0.04 / 0.16 for GRPO + Policy-KL,
-β_q 0.03 / 0.1 / 0.3 for ERPO), at the main comparison's budget (lr 3e-4,
+Each regularised method at four coefficients a factor of about 3-4 apart
+around the old testbed's (β_policy 0.01 / 0.04 / 0.16 / 0.5 for GRPO +
+Policy-KL, β_q 0.03 / 0.1 / 0.3 / 1 for ERPO; the fourth values were added
+when the first three put ERPO's best at the edge), at the main comparison's budget (lr 3e-4,
 100 steps), evaluated only on the 100 held-out validation problems of each
 training family (`train.eval_split=validation`), never on the test families.
 `chosen` picks each method's coefficient with the highest final validation
@@ -25,9 +26,9 @@ from erpo_jax.train.config import RunConfig
 testbed = load_experiment(Path(__file__).with_name("slip_testbed.py"))
 
 EXPERIMENT = "slip_tuning"
-GRID = {"grpo+policy_kl": (0.01, 0.04, 0.16), "erpo": (0.03, 0.1, 0.3)}
-COMPARISONS = [("erpo-b0.1", f"erpo-b{b}") for b in (0.03, 0.3)] + [
-    ("grpo+policy_kl-b0.04", f"grpo+policy_kl-b{b}") for b in (0.01, 0.16)]
+GRID = {"grpo+policy_kl": (0.01, 0.04, 0.16, 0.5), "erpo": (0.03, 0.1, 0.3, 1.0)}
+COMPARISONS = [("erpo-b0.3", f"erpo-b{b}") for b in (0.03, 0.1, 1.0)] + [
+    ("grpo+policy_kl-b0.04", f"grpo+policy_kl-b{b}") for b in (0.01, 0.16, 0.5)]
 ENTROPY_FLOOR = testbed.ENTROPY_FLOOR
 sft_config = testbed.sft_config
 
