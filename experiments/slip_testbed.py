@@ -42,7 +42,7 @@ LR, STEPS = 3e-4, 100
 # Chosen on the validation split by experiments/slip_tuning.py (its REPORT.md and
 # tests/test_results_tables.py, which checks these against its committed summaries).
 BETA_POLICY = 0.04   # GRPO + Policy-KL
-BETA_QUERY = 0.1     # ERPO
+BETA_QUERY = 1.0     # ERPO
 # Ablation variant -> overrides of the 'erpo' config (ablations.py's, those issue 19 asks
 # for; the β_q sweep is slip_tuning.py's, on the validation split).
 ABLATIONS = {k: v for k, v in ablations._variants(True).items() if k in (
