@@ -221,7 +221,7 @@ def slip_main_table() -> list[str]:
     for m, label in LABELS.items():
         rs = by[m]
         gain = [_final(r, "greedy_acc") - _eval_at(r, 0) for r in rs]
-        ref_s = np.median([v for r in rs for v in r["metrics"]["time/ref"] if v is not None])
+        ref_s = np.median(np.concatenate([report.series(r, "time/ref")[1] for r in rs]))
         lines.append(f"| {label} | {_pct([_final(r, 'greedy_acc') for r in rs])} | "
                      f"{_pct(gain)} | {_pct([_final(r, 'pass@1') for r in rs])} | "
                      f"{_pct([_final(r, 'pass@8') for r in rs])} | {_per_seed(_drifts(rs), 2)} | "
@@ -332,7 +332,7 @@ def slip_verdict_table() -> list[str]:
                  f"T {stress_mod.REGIME[1]:g}, {stress_mod.REGIME[2]} steps), ERPO "
                  f"{counts['erpo']}/{n} | {counts['grpo+policy_kl']}/{n} | {counts['no_kl']}/{n} | "
                  f"**{'held' if held else 'did not hold' if worst >= 2 else 'inconclusive'}** |")
-    ref = {m: np.median([v for r in main[m] for v in r["metrics"]["time/ref"] if v is not None])
+    ref = {m: np.median(np.concatenate([report.series(r, "time/ref")[1] for r in main[m]]))
            for m in LABELS}
     lines.append(f"| 4. no extra forward pass | reference forward s/step, ERPO {ref['erpo']:.3f} | "
                  f"{ref['grpo+policy_kl']:.3f} | {ref['no_kl']:.3f} | "
