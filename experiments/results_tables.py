@@ -302,7 +302,9 @@ def slip_ablations_table() -> list[str]:
 def slip_verdict_table() -> list[str]:
     """Claim, the numbers that test it (ERPO − each baseline, 95% Welch CI over
     seeds), and the verdict by a fixed rule: held when every CI is on ERPO's side
-    of 0, did not hold when one is on the other side, otherwise inconclusive."""
+    of 0, did not hold when one is on the other side, otherwise inconclusive.
+    Claim 4 is timed, not counted here: ERPO's 'reference forward' time is the
+    step's bookkeeping (microseconds), held when under 1% of Policy-KL's."""
     main, stress_mod, stress = runs("slip_testbed"), _experiment("slip_stress"), runs("slip_stress")
     lines = ["| claim | measure (ERPO − baseline, 95% CI; 5 seeds) | vs GRPO + Policy-KL | "
              "vs no KL | verdict |", "|---|---|---|---|---|"]
@@ -336,7 +338,7 @@ def slip_verdict_table() -> list[str]:
            for m in LABELS}
     lines.append(f"| 4. no extra forward pass | reference forward s/step, ERPO {ref['erpo']:.3f} | "
                  f"{ref['grpo+policy_kl']:.3f} | {ref['no_kl']:.3f} | "
-                 f"**{'held' if ref['erpo'] == 0 < ref['grpo+policy_kl'] else 'did not hold'}** |")
+                 f"**{'held' if ref['erpo'] < 0.01 * ref['grpo+policy_kl'] else 'did not hold'}** |")
     return lines
 
 
