@@ -56,3 +56,15 @@ def test_benchmarks_md_holds_the_targets_table_of_the_committed_bench_report():
     # Every target is a ratio against something measured in the same run.
     assert {"erpo_flops_ratio", "erpo_wall_ratio", "train_mfu", "rl_tiny_vs_tunix",
             "rl_small_vs_tunix"} <= set(report["targets"])
+
+
+def test_slip_testbed_settings_are_what_its_searches_chose():
+    """The coefficients and the stress regime the slip testbed runs with are what
+    slip_tuning.chosen and slip_search.chosen_regime pick from the committed runs."""
+    tables = _tables()
+    testbed, stress = _load(EXP / "slip_testbed.py"), _load(EXP / "slip_stress.py")
+    tuning, search = _load(EXP / "slip_tuning.py"), _load(EXP / "slip_search.py")
+    picked = tuning.chosen([r for rs in tables.runs("slip_tuning").values() for r in rs])
+    assert picked == {"grpo+policy_kl": testbed.BETA_POLICY, "erpo": testbed.BETA_QUERY}
+    regime = search.chosen_regime([r for rs in tables.runs("slip_search").values() for r in rs])
+    assert regime == stress.REGIME
