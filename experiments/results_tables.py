@@ -347,7 +347,7 @@ def slip_wall_table() -> list[str]:
     total_n = total_s = 0
     for exp, label in (("slip_tuning", "coefficients on validation (2 seeds)"),
                        ("slip_search", "stress-regime search on validation (2 seeds)"),
-                       ("slip_testbed", "main comparison (5 seeds) and ablations (3 seeds)"),
+                       ("slip_testbed", "main comparison (5 seeds) and ablations (3 seeds; PPO, REINFORCE++ 2)"),
                        ("slip_stress", "stress regime (5 seeds)")):
         rs = [r for v in runs(exp).values() for r in v]
         s = sum(r["wall_s"] for r in rs)
