@@ -143,19 +143,31 @@ def ablations_table() -> list[str]:
     return lines
 
 
-def wall_table() -> list[str]:
+def _wall_lines(sweeps) -> list[str]:
+    """The wall-time table of `sweeps`, (label, runs) pairs, with a total row."""
     lines = ["| sweep | runs | wall |", "|---|---:|---:|"]
     total_n = total_s = 0
-    for exp, label in SWEEPS:
-        rs = [r for v in runs(exp).values() for r in v]
-        if exp == "high_temperature":   # its T = 1.0 variants repeat the main comparison
-            rs = [r for r in rs if not r["name"].endswith("-T1.0")]
+    for label, rs in sweeps:
         s = sum(r["wall_s"] for r in rs)
         total_n, total_s = total_n + len(rs), total_s + s
         lines.append(f"| {label} | {len(rs)} | {s:,.0f} s |")
     lines.append(f"| **total** | **{total_n}** | **{total_s:,.0f} s "
                  f"({int(total_s // 3600)} h {int(total_s % 3600 // 60)} min)** |")
     return lines
+
+
+def _all_runs(experiment: str) -> list[dict]:
+    return [r for v in runs(experiment).values() for r in v]
+
+
+def wall_table() -> list[str]:
+    sweeps = []
+    for exp, label in SWEEPS:
+        rs = _all_runs(exp)
+        if exp == "high_temperature":   # its T = 1.0 variants repeat the main comparison
+            rs = [r for r in rs if not r["name"].endswith("-T1.0")]
+        sweeps.append((label, rs))
+    return _wall_lines(sweeps)
 
 
 # ---------------------------------------------------------------- the slip testbed (issue 19)
@@ -165,11 +177,14 @@ def _mean(values) -> float:
     return float(np.mean([v for v in values if v is not None]))
 
 
-def slip_tuning_table() -> list[str]:
+def _experiment(name: str):
     from erpo_jax.tools.sweep import load_experiment
-    tuning = load_experiment(Path(__file__).with_name("slip_tuning.py"))
-    by = runs("slip_tuning")
-    chosen = tuning.chosen([r for rs in by.values() for r in rs])
+    return load_experiment(Path(__file__).with_name(f"{name}.py"))
+
+
+def slip_tuning_table() -> list[str]:
+    tuning, by = _experiment("slip_tuning"), runs("slip_tuning")
+    chosen = tuning.chosen(_all_runs("slip_tuning"))
     lines = ["| method | coefficient | final validation greedy pass@1, per seed | mean | "
              "final validation pass@8 (mean) | final drift (mean) | chosen |",
              "|---|---|---|---|---|---|---|"]
@@ -213,6 +228,11 @@ def slip_reference_table() -> list[str]:
     return lines
 
 
+def _ref_seconds(rs) -> float:
+    """Median reference-forward seconds per step over the runs' steps."""
+    return float(np.median(np.concatenate([report.series(r, "time/ref")[1] for r in rs])))
+
+
 def slip_main_table() -> list[str]:
     by = runs("slip_testbed")
     lines = ["| method | final greedy pass@1 | gain over the reference | final sampled pass@1 | "
@@ -221,11 +241,10 @@ def slip_main_table() -> list[str]:
     for m, label in LABELS.items():
         rs = by[m]
         gain = [_final(r, "greedy_acc") - _eval_at(r, 0) for r in rs]
-        ref_s = np.median(np.concatenate([report.series(r, "time/ref")[1] for r in rs]))
         lines.append(f"| {label} | {_pct([_final(r, 'greedy_acc') for r in rs])} | "
                      f"{_pct(gain)} | {_pct([_final(r, 'pass@1') for r in rs])} | "
                      f"{_pct([_final(r, 'pass@8') for r in rs])} | {_per_seed(_drifts(rs), 2)} | "
-                     f"{ref_s:.3f} |")
+                     f"{_ref_seconds(rs):.3f} |")
     return lines
 
 
@@ -233,9 +252,10 @@ def _collapses(rs, mod) -> list[int | None]:
     return [report.collapse_step(r, mod.COLLAPSE_DROP, mod.ENTROPY_FLOOR) for r in rs]
 
 
-def _experiment(name: str):
-    from erpo_jax.tools.sweep import load_experiment
-    return load_experiment(Path(__file__).with_name(f"{name}.py"))
+def _collapse_cells(rs, mod) -> str:
+    """'k/n | first collapse steps' under `mod`'s collapse definition."""
+    steps = [c for c in _collapses(rs, mod) if c is not None]
+    return f"{len(steps)}/{len(rs)} | {', '.join(map(str, steps)) or '-'}"
 
 
 def slip_search_table() -> list[str]:
@@ -244,12 +264,10 @@ def slip_search_table() -> list[str]:
              "per seed | min entropy (mean) | final drift (mean) |", "|---|---|---|---|---|---|---|---|"]
     for lr, t, steps in mod.GRID:
         rs = by[mod.name("no_kl", lr, t, steps)]
-        cs = _collapses(rs, mod)
         tabs = [report.eval_table(r) for r in rs]
         accs = " / ".join(f"{100 * tb['best']['average']:.1f} → {100 * tb['final']['average']:.1f}"
                           for tb in tabs)
-        lines.append(f"| {lr:g} | {t:g} | {steps} | {sum(c is not None for c in cs)}/{len(rs)} | "
-                     f"{', '.join(str(c) for c in cs if c is not None) or '-'} | {accs} | "
+        lines.append(f"| {lr:g} | {t:g} | {steps} | {_collapse_cells(rs, mod)} | {accs} | "
                      f"{_mean([report._min(r, 'entropy') for r in rs]):.4f} | "
                      f"{_mean(_drifts(rs)):.2f} |")
     return lines
@@ -261,10 +279,8 @@ def slip_stress_table() -> list[str]:
              "final drift, per seed | min entropy (mean) |", "|---|---|---|---|---|---|---|"]
     for m, label in LABELS.items():
         rs = by[m]
-        cs = _collapses(rs, mod)
         tabs = [report.eval_table(r) for r in rs]
-        lines.append(f"| {label} | {sum(c is not None for c in cs)}/{len(rs)} | "
-                     f"{', '.join(str(c) for c in cs if c is not None) or '-'} | "
+        lines.append(f"| {label} | {_collapse_cells(rs, mod)} | "
                      f"{_pct([t['best']['average'] for t in tabs])} | "
                      f"{_pct([t['final']['average'] for t in tabs])} | "
                      f"{_per_seed(_drifts(rs), 2)} | "
@@ -334,8 +350,7 @@ def slip_verdict_table() -> list[str]:
                  f"T {stress_mod.REGIME[1]:g}, {stress_mod.REGIME[2]} steps), ERPO "
                  f"{counts['erpo']}/{n} | {counts['grpo+policy_kl']}/{n} | {counts['no_kl']}/{n} | "
                  f"**{'held' if held else 'did not hold' if worst >= 2 else 'inconclusive'}** |")
-    ref = {m: np.median(np.concatenate([report.series(r, "time/ref")[1] for r in main[m]]))
-           for m in LABELS}
+    ref = {m: _ref_seconds(main[m]) for m in LABELS}
     lines.append(f"| 4. no extra forward pass | reference forward s/step, ERPO {ref['erpo']:.3f} | "
                  f"{ref['grpo+policy_kl']:.3f} | {ref['no_kl']:.3f} | "
                  f"**{'held' if ref['erpo'] < 0.01 * ref['grpo+policy_kl'] else 'did not hold'}** |")
@@ -343,19 +358,12 @@ def slip_verdict_table() -> list[str]:
 
 
 def slip_wall_table() -> list[str]:
-    lines = ["| sweep | runs | wall |", "|---|---:|---:|"]
-    total_n = total_s = 0
-    for exp, label in (("slip_tuning", "coefficients on validation (2 seeds)"),
-                       ("slip_search", "stress-regime search on validation (2 seeds)"),
-                       ("slip_testbed", "main comparison (5 seeds) and ablations (3 seeds; PPO, REINFORCE++ 2)"),
-                       ("slip_stress", "stress regime (5 seeds)")):
-        rs = [r for v in runs(exp).values() for r in v]
-        s = sum(r["wall_s"] for r in rs)
-        total_n, total_s = total_n + len(rs), total_s + s
-        lines.append(f"| {label} | {len(rs)} | {s:,.0f} s |")
-    lines.append(f"| **total** | **{total_n}** | **{total_s:,.0f} s "
-                 f"({int(total_s // 3600)} h {int(total_s % 3600 // 60)} min)** |")
-    return lines
+    return _wall_lines([
+        (label, _all_runs(exp)) for exp, label in (
+            ("slip_tuning", "coefficients on validation (2 seeds)"),
+            ("slip_search", "stress-regime search on validation (2 seeds)"),
+            ("slip_testbed", "main comparison (5 seeds) and ablations (3 seeds; PPO, REINFORCE++ 2)"),
+            ("slip_stress", "stress regime (5 seeds)"))])
 
 
 TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,

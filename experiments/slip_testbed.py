@@ -14,7 +14,7 @@ evaluation every 50 steps.
 Validation: 100 problems of each training family (`data.n_val`) are held out
 of the SFT and RL training sets and apart from the test sets. The
 coefficients below were chosen on them by experiments/slip_tuning.py (each
-method's best of three at this budget, never looking at the test families).
+method's best of four at this budget, never looking at the test families).
 The other slip_* experiments build on `method_config`. CPU only: the
 real-scale runs are main_comparison.py's.
 
@@ -110,7 +110,5 @@ def sweep(cpu: bool = False) -> dict[str, RunConfig]:
                          "run it with --cpu.")
     out = {m: method_config(m) for m in METHODS}
     for name, overrides in ABLATIONS.items():
-        cfg = apply_overrides(method_config("erpo"), overrides)
-        out[name] = dataclasses.replace(cfg, name=name, train=dataclasses.replace(
-            cfg.train, out_dir=f"runs/{EXPERIMENT}/{name}/seed{cfg.train.seed}"))
+        out[name] = apply_overrides(method_config("erpo", name=name), overrides)
     return out

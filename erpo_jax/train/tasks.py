@@ -216,13 +216,20 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
                     f"config field data.n_val: holding {d.n_val} validation rows out of "
                     f"{len(train)} leaves fewer than train.batch_size={t.batch_size} to train "
                     "on; lower data.n_val.")
-            train, val = _hold_out(train, d.n_val, t.batch_size, d.seed, stream=8)
+            train, val = _hold_out(train, d.n_val, d.seed, stream=8)
             if t.eval_split == "validation":
                 evals = {"validation": val}
         drift = _interleave(evals)
         if t.drift_every > 0 and not drift:
             # No evaluation sets: measure drift on training rows held out of training.
-            train, drift = _hold_out(train, t.drift_queries, t.batch_size, d.seed)
+            if len(train) - t.drift_queries < t.batch_size:
+                raise ValueError(
+                    f"config field train.drift_queries: with no data.eval_benchmarks, query "
+                    f"drift is measured on {t.drift_queries} training rows held out of "
+                    f"training, but {len(train)} rows leave fewer than train.batch_size="
+                    f"{t.batch_size}; lower train.drift_queries, add data.eval_benchmarks, or "
+                    "set train.drift_every=0.")
+            train, drift = _hold_out(train, t.drift_queries, d.seed, stream=7)
         if not train:
             raise ValueError(f"config field data.train_file: {d.train_file} has no usable "
                              "problems.")
@@ -243,15 +250,8 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
                 load_report=report)
 
 
-def _hold_out(train: list[Problem], n: int, batch_size: int, seed: int, stream: int = 7):
-    """(training rows, n held-out rows), drawn by `seed` and `stream`; refuses
-    when fewer than one batch of training rows would be left."""
-    if len(train) - n < batch_size:
-        raise ValueError(
-            f"config field train.drift_queries: with no data.eval_benchmarks, query drift is "
-            f"measured on {n} training rows held out of training, but {len(train)} rows "
-            f"leave fewer than train.batch_size={batch_size}; lower train.drift_queries, add "
-            "data.eval_benchmarks, or set train.drift_every=0.")
+def _hold_out(train: list[Problem], n: int, seed: int, stream: int) -> tuple[list, list]:
+    """(training rows, n held-out rows), drawn by `seed` and `stream`."""
     order = np.random.default_rng([seed, stream]).permutation(len(train))
     held = set(order[:n].tolist())
     return ([p for i, p in enumerate(train) if i not in held],
