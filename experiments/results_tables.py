@@ -362,7 +362,7 @@ def slip_wall_table() -> list[str]:
         (label, _all_runs(exp)) for exp, label in (
             ("slip_tuning", "coefficients on validation (2 seeds)"),
             ("slip_search", "stress-regime search on validation (2 seeds)"),
-            ("slip_testbed", "main comparison (5 seeds) and ablations (3 seeds; PPO, REINFORCE++ 2)"),
+            ("slip_testbed", "main comparison (5 seeds) and ablations (3 seeds)"),
             ("slip_stress", "stress regime (5 seeds)"))])
 
 
