@@ -34,15 +34,5 @@ def variant(method: str) -> RunConfig:
                                  eval_every=20, sampled_eval=False, experiment=EXPERIMENT)
 
 
-def get_config() -> RunConfig:
-    return get_cpu_config()
-
-
-def get_cpu_config() -> RunConfig:
-    return variant("erpo")
-
-
-def sweep(cpu: bool = False) -> dict[str, RunConfig]:
-    if not cpu:
-        raise ValueError("slip_stress.py is a CPU testbed; run it with --cpu.")
-    return {m: variant(m) for m in METHODS}
+get_config, get_cpu_config, sweep = testbed.cpu_experiment(
+    EXPERIMENT, lambda: {m: variant(m) for m in METHODS}, "erpo")

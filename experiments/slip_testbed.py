@@ -19,14 +19,18 @@ The other slip_* experiments build on `method_config`. CPU only: the
 real-scale runs are main_comparison.py's.
 
 The main comparison runs 5 seeds; the ablations (ABLATIONS, each the 'erpo'
-run with one thing changed, as in ablations.py) 3, sharing the main runs of
-seeds 0-2 as their reference points ('erpo'; 'no_kl' is GRPO without ERPO).
+run with one thing changed, as in ablations.py, and the β_q sweep over
+slip_tuning.py's other values, here on the test families) 3, sharing the main
+runs of seeds 0-2 as their reference points ('erpo'; 'no_kl' is GRPO without
+ERPO). slip_temperature.py and slip_horizon.py run the main comparison hot and
+long.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 from erpo_jax.tools.demo import METHODS, arith_rl_config, arith_sft_config
 from erpo_jax.tools.sweep import load_experiment
@@ -43,15 +47,19 @@ LR, STEPS = 3e-4, 100
 # tests/test_results_tables.py, which checks these against its committed summaries).
 BETA_POLICY = 0.04   # GRPO + Policy-KL
 BETA_QUERY = 1.0     # ERPO
-# Ablation variant -> overrides of the 'erpo' config (ablations.py's, those issue 19 asks
-# for; the β_q sweep is slip_tuning.py's, on the validation split).
+# The β_q sweep on the test families: slip_tuning.py's other values (which chose
+# BETA_QUERY on the validation split), to show how much the choice matters.
+BETA_Q_SWEEP = (0.03, 0.1, 0.3)
+# Ablation variant -> overrides of the 'erpo' config (ablations.py's, those issue 19 asks for).
 ABLATIONS = {k: v for k, v in ablations._variants(True).items() if k in (
     "qkl+uniform", "noqkl+likelihood", "qkl_k2", "ppo+erpo", "ppo+no_kl",
     "reinforce_pp+erpo", "reinforce_pp+no_kl")}
+ABLATIONS.update({f"beta_q{b}": [f"loss.beta_query={b}"] for b in BETA_Q_SWEEP})
 COMPARISONS = ([("erpo", "grpo+policy_kl"), ("erpo", "no_kl"), ("grpo+policy_kl", "no_kl")]
                + [("qkl+uniform", "no_kl"), ("noqkl+likelihood", "no_kl"),
                   ("qkl+uniform", "noqkl+likelihood"), ("qkl_k2", "erpo")]
-               + [(f"{e}+erpo", f"{e}+no_kl") for e in ablations.ESTIMATORS])
+               + [(f"{e}+erpo", f"{e}+no_kl") for e in ablations.ESTIMATORS]
+               + [(f"beta_q{b}", "erpo") for b in BETA_Q_SWEEP])
 # Response entropy sits at 0.005-0.06 here (a confident model uncertain only at
 # carries), so the entropy floor is off; a collapse is the accuracy drop.
 ENTROPY_FLOOR = 0.0
@@ -96,19 +104,27 @@ def method_config(method: str, *, beta: float | None = None, lr: float = LR,
                                   out_dir=f"runs/{experiment}/{name}/seed{cfg.train.seed}"))
 
 
-def get_config() -> RunConfig:
-    return get_cpu_config()
+def cpu_experiment(experiment: str, variants: Callable[[], dict[str, RunConfig]], base: str):
+    """(get_config, get_cpu_config, sweep) of a slip experiment file: both getters
+    give variant `base`; sweep(cpu) gives every variant and refuses the full-scale
+    path (the slip experiments are the embedded arithmetic task's)."""
+    def get_cpu_config() -> RunConfig:
+        return variants()[base]
+
+    def sweep(cpu: bool = False) -> dict[str, RunConfig]:
+        if not cpu:
+            raise ValueError(f"{experiment}.py is a CPU testbed (the embedded arithmetic task); "
+                             "run it with --cpu.")
+        return variants()
+
+    return get_cpu_config, get_cpu_config, sweep
 
 
-def get_cpu_config() -> RunConfig:
-    return method_config("erpo")
-
-
-def sweep(cpu: bool = False) -> dict[str, RunConfig]:
-    if not cpu:
-        raise ValueError(f"{EXPERIMENT}.py is a CPU testbed (the embedded arithmetic task); "
-                         "run it with --cpu.")
+def _variants() -> dict[str, RunConfig]:
     out = {m: method_config(m) for m in METHODS}
     for name, overrides in ABLATIONS.items():
         out[name] = apply_overrides(method_config("erpo", name=name), overrides)
     return out
+
+
+get_config, get_cpu_config, sweep = cpu_experiment(EXPERIMENT, _variants, "erpo")

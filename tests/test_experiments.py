@@ -296,6 +296,31 @@ def test_slip_testbed_trains_its_own_reference(tmp_path, monkeypatch):
         sweep_lib.variants(mod, False)
 
 
+@pytest.mark.parametrize("name,suffix,changes", [
+    ("slip_temperature", "-T1.5", {"rollout.temperature"}),
+    ("slip_horizon", "", {"train.steps"}),
+    ("slip_stress", "", {"optim.lr", "rollout.temperature", "train.eval_every", "train.eval_n",
+                         "train.eval_k"}),
+])
+def test_slip_settings_change_only_what_they_say(name, suffix, changes):
+    """The temperature, long-horizon and stress experiments are the main comparison's
+    three runs (same reference, coefficients, split) with only their setting changed."""
+    mod, main = _mod(name), sweep_lib.variants(_mod("slip_testbed"), True)
+    assert f"experiments/{name}.py" in mod.__doc__ and "erpo sweep" in mod.__doc__
+    table = sweep_lib.variants(mod, True)
+    assert list(table) == [m + suffix for m in METHODS]
+    for m in METHODS:
+        cfg = table[m + suffix]
+        validate(cfg, _devices(cfg))
+        assert cfg.train.out_dir == f"runs/{name}/{m + suffix}/seed0"
+        assert _changed(cfg, main[m]) == changes, m
+    assert mod.get_cpu_config() == mod.get_config() == table["erpo" + suffix]
+    for a, b in mod.COMPARISONS:
+        assert a in table and b in table
+    with pytest.raises(ValueError, match="--cpu"):
+        sweep_lib.variants(mod, False)
+
+
 def test_slip_searches_look_only_at_the_validation_split(tmp_path, monkeypatch):
     """The coefficient and stress-regime searches evaluate on validation problems, from
     the testbed's reference, and differ from its main runs only in what they search."""
