@@ -289,7 +289,10 @@ def slip_stress_table() -> list[str]:
 
 
 SLIP_ABLATIONS = {
-    "erpo": "nothing: QKL k3, tuned β_q, likelihood weights",
+    "erpo": "nothing: QKL k3, tuned β_q = 1, likelihood weights",
+    "beta_q0.03": "β_q = 0.03",
+    "beta_q0.1": "β_q = 0.1",
+    "beta_q0.3": "β_q = 0.3",
     "qkl+uniform": "uniform weights (Query-KL only)",
     "noqkl+likelihood": "no Query-KL (weights only)",
     "no_kl": "neither (= GRPO, no KL)",
@@ -315,55 +318,131 @@ def slip_ablations_table() -> list[str]:
     return lines
 
 
+def _slip_settings(which=("main", "temperature", "horizon")
+                   ) -> list[tuple[str, dict[str, list[dict]], str]]:
+    """(label, runs, variant pattern) of the settings the three methods ran in at the
+    slip budget's learning rate: the main comparison, hot rollouts, a longer horizon."""
+    temp, horizon = _experiment("slip_temperature"), _experiment("slip_horizon")
+    settings = {
+        "main": lambda: ("T 1, 100 steps", runs("slip_testbed"), "{m}"),
+        "temperature": lambda: (f"T {temp.TEMPERATURE:g}, 100 steps", runs("slip_temperature"),
+                                "{m}-T" + str(temp.TEMPERATURE)),
+        "horizon": lambda: (f"T 1, {horizon.FACTOR * 100} steps", runs("slip_horizon"), "{m}")}
+    out = [settings[w]() for w in which]
+    return [(f"{label} ({len(by[pattern.format(m='erpo')])} seeds)", by, pattern)
+            for label, by, pattern in out]
+
+
 def slip_verdict_table() -> list[str]:
     """Claim, the numbers that test it (ERPO − each baseline, 95% Welch CI over
     seeds), and the verdict by a fixed rule: held when every CI is on ERPO's side
     of 0, did not hold when one is on the other side, otherwise inconclusive.
+    Claim 3 counts collapses: held when a baseline collapses in at least 2 seeds
+    and ERPO less often than each such baseline, did not hold when a baseline does
+    and ERPO does not collapse less, inconclusive when no baseline does.
     Claim 4 is timed, not counted here: ERPO's 'reference forward' time is the
     step's bookkeeping (microseconds), held when under 1% of Policy-KL's."""
-    main, stress_mod, stress = runs("slip_testbed"), _experiment("slip_stress"), runs("slip_stress")
-    lines = ["| claim | measure (ERPO − baseline, 95% CI; 5 seeds) | vs GRPO + Policy-KL | "
-             "vs no KL | verdict |", "|---|---|---|---|---|"]
+    settings = _slip_settings()
+    main = settings[0][1]
+    lines = ["| claim | setting | measure (ERPO − baseline, 95% CI) | vs GRPO + Policy-KL | "
+             "vs no KL | verdict |", "|---|---|---|---|---|---|"]
 
-    def row(claim, measure, fn, scale, digits, sign):
+    def row(claim, setting, by, pattern, measure, fn, scale, digits, sign):
         cells, sides = [], []
+        erpo = [fn(r) for r in by[pattern.format(m="erpo")]]
         for b in ("grpo+policy_kl", "no_kl"):
-            text, e = _diff([fn(r) for r in main["erpo"]], [fn(r) for r in main[b]], scale, digits)
+            text, e = _diff(erpo, [fn(r) for r in by[pattern.format(m=b)]], scale, digits)
             cells.append(text)
             # the CI in ERPO's favour-is-positive orientation
             sides.append(sorted((sign * (e["diff"] - e["half"]), sign * (e["diff"] + e["half"]))))
         verdict = ("held" if all(lo > 0 for lo, _ in sides) else
                    "did not hold" if any(hi < 0 for _, hi in sides) else "inconclusive")
-        lines.append(f"| {claim} | {measure} | {cells[0]} | {cells[1]} | **{verdict}** |")
+        lines.append(f"| {claim} | {setting} | {measure} | {cells[0]} | {cells[1]} | **{verdict}** |")
 
-    row("1. higher accuracy", "final greedy pass@1, points",
-        lambda r: _final(r, "greedy_acc"), 100, 1, 1)
-    row("1. higher accuracy", "final sampled pass@1, points", lambda r: _final(r, "pass@1"), 100, 1, 1)
-    row("2. lower query drift", "final held-out QKL k3 (lower is better)",
-        lambda r: report._last(r, "drift/qkl_k3"), 1, 2, -1)
-    counts = {m: sum(c is not None for c in _collapses(stress[m], stress_mod)) for m in LABELS}
-    n = len(stress["erpo"])
-    worst = max(counts[b] for b in ("grpo+policy_kl", "no_kl"))
-    held = worst >= 2 and counts["erpo"] < min(
-        counts[b] for b in ("grpo+policy_kl", "no_kl") if counts[b] >= 2)
-    lines.append(f"| 3. more stable | collapses in the stress regime (lr {stress_mod.REGIME[0]:g}, "
-                 f"T {stress_mod.REGIME[1]:g}, {stress_mod.REGIME[2]} steps), ERPO "
-                 f"{counts['erpo']}/{n} | {counts['grpo+policy_kl']}/{n} | {counts['no_kl']}/{n} | "
-                 f"**{'held' if held else 'did not hold' if worst >= 2 else 'inconclusive'}** |")
+    def collapse_row(setting, by, pattern, mod):
+        counts = {m: sum(c is not None for c in _collapses(by[pattern.format(m=m)], mod))
+                  for m in LABELS}
+        n = len(by[pattern.format(m="erpo")])
+        collapsing = [counts[b] for b in ("grpo+policy_kl", "no_kl") if counts[b] >= 2]
+        verdict = ("inconclusive" if not collapsing else
+                   "held" if counts["erpo"] < min(collapsing) else "did not hold")
+        lines.append(f"| 3. more stable | {setting} | collapses, ERPO {counts['erpo']}/{n} | "
+                     f"{counts['grpo+policy_kl']}/{n} | {counts['no_kl']}/{n} | **{verdict}** |")
+
+    for setting, by, pattern in settings:
+        row("1. higher accuracy", setting, by, pattern, "final greedy pass@1, points",
+            lambda r: _final(r, "greedy_acc"), 100, 1, 1)
+        row("1. higher accuracy", setting, by, pattern, "final sampled pass@1, points",
+            lambda r: _final(r, "pass@1"), 100, 1, 1)
+    for setting, by, pattern in settings:
+        row("2. lower query drift", setting, by, pattern, "final held-out QKL k3 (lower is better)",
+            lambda r: report._last(r, "drift/qkl_k3"), 1, 2, -1)
+    stress = _experiment("slip_stress")
+    lr, t, steps = stress.REGIME
+    collapse_row(f"stress regime: lr {lr:g}, T {t:g}, {steps} steps ({len(runs('slip_stress')['erpo'])} "
+                 "seeds)", runs("slip_stress"), "{m}", stress)
+    for (setting, by, pattern), mod in zip(settings[1:], (_experiment("slip_temperature"),
+                                                          _experiment("slip_horizon"))):
+        collapse_row(setting, by, pattern, mod)
     ref = {m: _ref_seconds(main[m]) for m in LABELS}
-    lines.append(f"| 4. no extra forward pass | reference forward s/step, ERPO {ref['erpo']:.3f} | "
-                 f"{ref['grpo+policy_kl']:.3f} | {ref['no_kl']:.3f} | "
+    lines.append(f"| 4. no extra forward pass | T 1, 100 steps | reference forward s/step, "
+                 f"ERPO {ref['erpo']:.3f} | {ref['grpo+policy_kl']:.3f} | {ref['no_kl']:.3f} | "
                  f"**{'held' if ref['erpo'] < 0.01 * ref['grpo+policy_kl'] else 'did not hold'}** |")
     return lines
 
 
+def slip_temperature_table() -> list[str]:
+    """The three methods at rollout temperature 1 (the main comparison) and hot."""
+    lines = ["| T | method | final greedy pass@1 | final sampled pass@1 | final pass@8 | "
+             "collapses | final drift, per seed | min entropy (mean) |",
+             "|---|---|---|---|---|---|---|---|"]
+    temp = _experiment("slip_temperature")
+    for (_, by, pattern), t in zip(_slip_settings(("main", "temperature")),
+                                   (1.0, temp.TEMPERATURE)):
+        for m, label in LABELS.items():
+            rs = by[pattern.format(m=m)]
+            n = sum(c is not None for c in _collapses(rs, temp))
+            lines.append(f"| {t:g} | {label} | {_pct([_final(r, 'greedy_acc') for r in rs])} | "
+                         f"{_pct([_final(r, 'pass@1') for r in rs])} | "
+                         f"{_pct([_final(r, 'pass@8') for r in rs])} | {n}/{len(rs)} | "
+                         f"{_per_seed(_drifts(rs), 2)} | "
+                         f"{_mean([report._min(r, 'entropy') for r in rs]):.4f} |")
+    return lines
+
+
+def slip_horizon_table() -> list[str]:
+    mod, by = _experiment("slip_horizon"), runs("slip_horizon")
+    half = mod.FACTOR * 100 // 2
+    lines = [f"| method | greedy pass@1 at {half} → {2 * half} | best greedy pass@1 | collapses | "
+             f"collapse steps | sampled pass@1 at {2 * half} | pass@8 at {2 * half} | "
+             f"drift at {half} → {2 * half} (mean) | max drift, per seed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m, label in LABELS.items():
+        rs = by[m]
+        mid = [report._last({**r, "metrics": [x for x in r["metrics"] if x["step"] <= half]},
+                            "drift/qkl_k3") for r in rs]
+        lines.append(f"| {label} | {100 * _mean([_eval_at(r, half) for r in rs]):.1f} → "
+                     f"{_pct([_final(r, 'greedy_acc') for r in rs])} | "
+                     f"{_pct([report.eval_table(r)['best']['average'] for r in rs])} | "
+                     f"{_collapse_cells(rs, mod)} | {_pct([_final(r, 'pass@1') for r in rs])} | "
+                     f"{_pct([_final(r, 'pass@8') for r in rs])} | "
+                     f"{_mean(mid):.2f} → {_mean(_drifts(rs)):.2f} | "
+                     f"{_per_seed([report._max(r, 'drift/qkl_k3') for r in rs], 2)} |")
+    return lines
+
+
 def slip_wall_table() -> list[str]:
+    def seeds(exp):
+        return len({r["config"]["train"]["seed"] for r in _all_runs(exp)})
+
     return _wall_lines([
         (label, _all_runs(exp)) for exp, label in (
             ("slip_tuning", "coefficients on validation (2 seeds)"),
             ("slip_search", "stress-regime search on validation (2 seeds)"),
             ("slip_testbed", "main comparison (5 seeds) and ablations (3 seeds)"),
-            ("slip_stress", "stress regime (5 seeds)"))])
+            ("slip_temperature", f"temperature ({seeds('slip_temperature')} seeds)"),
+            ("slip_horizon", f"long horizon ({seeds('slip_horizon')} seeds)"),
+            ("slip_stress", f"stress regime ({seeds('slip_stress')} seeds)"))])
 
 
 TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
@@ -372,6 +451,7 @@ TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "slip_reference": slip_reference_table, "slip_tuning": slip_tuning_table,
           "slip_search": slip_search_table, "slip_main": slip_main_table,
           "slip_stress": slip_stress_table, "slip_ablations": slip_ablations_table,
+          "slip_temperature": slip_temperature_table, "slip_horizon": slip_horizon_table,
           "slip_wall": slip_wall_table}
 
 
