@@ -252,9 +252,14 @@ def _collapses(rs, mod) -> list[int | None]:
     return [report.collapse_step(r, mod.COLLAPSE_DROP, mod.ENTROPY_FLOOR) for r in rs]
 
 
+def _collapse_steps(rs, mod) -> list[int]:
+    """The first collapse step of each run that collapsed under `mod`'s definition."""
+    return [c for c in _collapses(rs, mod) if c is not None]
+
+
 def _collapse_cells(rs, mod) -> str:
     """'k/n | first collapse steps' under `mod`'s collapse definition."""
-    steps = [c for c in _collapses(rs, mod) if c is not None]
+    steps = _collapse_steps(rs, mod)
     return f"{len(steps)}/{len(rs)} | {', '.join(map(str, steps)) or '-'}"
 
 
@@ -360,8 +365,7 @@ def slip_verdict_table() -> list[str]:
         lines.append(f"| {claim} | {setting} | {measure} | {cells[0]} | {cells[1]} | **{verdict}** |")
 
     def collapse_row(setting, by, pattern, mod):
-        counts = {m: sum(c is not None for c in _collapses(by[pattern.format(m=m)], mod))
-                  for m in LABELS}
+        counts = {m: len(_collapse_steps(by[pattern.format(m=m)], mod)) for m in LABELS}
         n = len(by[pattern.format(m="erpo")])
         collapsing = [counts[b] for b in ("grpo+policy_kl", "no_kl") if counts[b] >= 2]
         verdict = ("inconclusive" if not collapsing else
@@ -401,7 +405,7 @@ def slip_temperature_table() -> list[str]:
                                    (1.0, temp.TEMPERATURE)):
         for m, label in LABELS.items():
             rs = by[pattern.format(m=m)]
-            n = sum(c is not None for c in _collapses(rs, temp))
+            n = len(_collapse_steps(rs, temp))
             lines.append(f"| {t:g} | {label} | {_pct([_final(r, 'greedy_acc') for r in rs])} | "
                          f"{_pct([_final(r, 'pass@1') for r in rs])} | "
                          f"{_pct([_final(r, 'pass@8') for r in rs])} | {n}/{len(rs)} | "
@@ -419,8 +423,10 @@ def slip_horizon_table() -> list[str]:
              "|---|---|---|---|---|---|---|---|---|"]
     for m, label in LABELS.items():
         rs = by[m]
-        mid = [report._last({**r, "metrics": [x for x in r["metrics"] if x["step"] <= half]},
-                            "drift/qkl_k3") for r in rs]
+        mid = []   # each run's last drift measurement at or before step `half`
+        for r in rs:
+            steps, drift = report.series(r, "drift/qkl_k3")
+            mid.append(float(drift[steps <= half][-1]))
         lines.append(f"| {label} | {100 * _mean([_eval_at(r, half) for r in rs]):.1f} → "
                      f"{_pct([_final(r, 'greedy_acc') for r in rs])} | "
                      f"{_pct([report.eval_table(r)['best']['average'] for r in rs])} | "
