@@ -4,6 +4,7 @@ cache."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import tempfile
@@ -31,21 +32,15 @@ def _padded_task_loader(width: int):
     return load
 
 
-def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: int,
-                 new_tokens: int, iters: int, micro_batches: int = 1,
-                 beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
-                 compile_cache: str = "off", temperature: float = 1.0, top_k: int = 0,
-                 optim: dict | None = None) -> dict:
-    """Time `iters` RL steps through the Trainer's own `_rl_batch` + `_update`
-    (rollout, arithmetic exact-match reward, GRPO advantages, the reference
-    forward for Policy-KL, the update). Iteration 0 includes compilation;
-    setup_s is the Trainer's construction (policy, task, reference pass), during
-    which the update already compiles in the background (train.compile_ahead),
-    so setup_s + first_iter_s is the time to the first finished step.
-    mesh: (data, fsdp, tensor), the Trainer's default (all devices on data).
-    compile_cache: train.compile_cache; 'off' (the default) measures cold
-    compiles whatever the user's cache holds (see `first_iteration_cached`).
-    temperature, top_k, optim (OptimSection fields): as a peer runs them."""
+@contextlib.contextmanager
+def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: int,
+                  new_tokens: int, iters: int, micro_batches: int = 1,
+                  beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
+                  compile_cache: str = "off", temperature: float = 1.0, top_k: int = 0,
+                  optim: dict | None = None):
+    """A Trainer on a random `preset` model whose training prompts are padded to
+    `prompt_len` tokens (the arithmetic task), yielded with its setup seconds:
+    the RL iteration of `rl_iteration` (and of a profile of it) without its timing."""
     from erpo_jax.train import loop as loop_lib
     from erpo_jax.train.config import (AlgoSection, DataSection, MeshSection, ModelSection,
                                        OptimSection, RolloutSection, RunConfig, TrainSection)
@@ -66,19 +61,39 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
         t0 = time.perf_counter()
         with mock.patch.object(loop_lib, "load_task", _padded_task_loader(prompt_len)):
             trainer = loop_lib.Trainer(cfg)
-        setup = time.perf_counter() - t0
         try:
-            times, parts, losses = [], [], []
-            for step in range(iters):
-                t0 = time.perf_counter()
-                batch, cb, info, part, ro = trainer._rl_batch(step)
-                t1 = time.perf_counter()
-                losses.append(trainer._update(batch, cb, step)["loss"])
-                times.append(time.perf_counter() - t0)
-                parts.append({**part, "time/update": time.perf_counter() - t1})
-            ref_calls, cache_dir = trainer.ref_forward_calls, trainer.compile_cache
+            yield trainer, time.perf_counter() - t0
         finally:
             trainer.close()
+
+
+def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: int,
+                 new_tokens: int, iters: int, micro_batches: int = 1,
+                 beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
+                 compile_cache: str = "off", temperature: float = 1.0, top_k: int = 0,
+                 optim: dict | None = None) -> dict:
+    """Time `iters` RL steps through the Trainer's own `_rl_batch` + `_update`
+    (rollout, arithmetic exact-match reward, GRPO advantages, the reference
+    forward for Policy-KL, the update). Iteration 0 includes compilation;
+    setup_s is the Trainer's construction (policy, task, reference pass), during
+    which the update already compiles in the background (train.compile_ahead),
+    so setup_s + first_iter_s is the time to the first finished step.
+    mesh: (data, fsdp, tensor), the Trainer's default (all devices on data).
+    compile_cache: train.compile_cache; 'off' (the default) measures cold
+    compiles whatever the user's cache holds (see `first_iteration_cached`).
+    temperature, top_k, optim (OptimSection fields): as a peer runs them."""
+    with bench_trainer(name, preset, prompts, group, prompt_len, new_tokens, iters,
+                       micro_batches, beta_policy, mesh, compile_cache, temperature, top_k,
+                       optim) as (trainer, setup):
+        times, parts, losses = [], [], []
+        for step in range(iters):
+            t0 = time.perf_counter()
+            batch, cb, info, part, ro = trainer._rl_batch(step)
+            t1 = time.perf_counter()
+            losses.append(trainer._update(batch, cb, step)["loss"])
+            times.append(time.perf_counter() - t0)
+            parts.append({**part, "time/update": time.perf_counter() - t1})
+        ref_calls, cache_dir = trainer.ref_forward_calls, trainer.compile_cache
     steady = times[1:] or times
     breakdown = {k: statistics.median(p[k] for p in parts[1:] or parts) for k in parts[0]}
     return {"name": name, "preset": preset, "prompts": prompts, "group": group,
