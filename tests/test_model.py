@@ -228,6 +228,40 @@ def test_token_logprobs_last_scores_only_the_response_columns(chunk):
         token_logprobs(params, cfg, toks, mask, last=41)
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_token_logprobs_response_columns_scores_each_part_at_its_temperature(chunk):
+    cfg = ModelConfig(vocab_size=512)
+    params = M.init_params(cfg, jax.random.key(0))
+    toks = jax.random.randint(jax.random.key(1), (3, 41), 0, cfg.vocab_size)
+    mask = jnp.ones_like(toks).at[0, :7].set(0)
+    full = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=chunk)
+    split = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=chunk,
+                           response_columns=19)
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                    atol=1e-6, rtol=1e-6)
+    close(split.logp[:, -19:], full.logp[:, -19:])
+    close(split.entropy[:, -19:], full.entropy[:, -19:])
+    close(split.logp_t1[:, :-19], full.logp_t1[:, :-19])
+    for a in (split.logp[:, :-19], split.entropy[:, :-19], split.logp_t1[:, -19:]):
+        assert np.all(np.asarray(a) == 0.0)
+    # Each column takes one log-softmax: the logits at temperature 0.8 cover
+    # only the 19 response columns (an elementwise divide of [3, 19, V]).
+    hlo = jax.jit(lambda p: token_logprobs(p, cfg, toks, mask, temperature=0.8, chunk_size=None,
+                                           response_columns=19)).lower(params).as_text()
+    assert "3x19x512" in hlo and "3x21x512" in hlo and "3x40x512" not in hlo
+    # No gradient reaches the head from a query column through logp or entropy.
+    g = jax.grad(lambda p: jnp.sum(token_logprobs(p, cfg, toks, mask, temperature=0.8,
+                                                  chunk_size=chunk, response_columns=19).logp))
+    g_last = jax.grad(lambda p: jnp.sum(token_logprobs(p, cfg, toks, mask, temperature=0.8,
+                                                       chunk_size=chunk, last=19).logp))
+    for a, b in zip(jax.tree_util.tree_leaves(g(params)), jax.tree_util.tree_leaves(g_last(params))):
+        close(a, b)
+    with pytest.raises(ValueError, match="response_columns=41 must be in"):
+        token_logprobs(params, cfg, toks, mask, response_columns=41)
+    with pytest.raises(ValueError, match="not both"):
+        token_logprobs(params, cfg, toks, mask, response_columns=4, last=4)
+
+
 def test_token_logprobs_chunked_never_builds_full_logits():
     cfg = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16)

@@ -155,7 +155,8 @@ def test_reference_model_is_never_run_without_policy_kl(sft_model, tmp_path):
     assert train(cfg)["ref_forward_calls"] == 1
 
 
-def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0):
+def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0,
+                 response_width=None, temperature=1.0):
     from erpo_jax.model import model as M
     from erpo_jax.model.config import ModelConfig
     from erpo_jax.rl.synthetic import synthetic_batch
@@ -172,7 +173,8 @@ def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0):
         tx, schedule = optax.sgd(1.0), None
     state = S.init_state(params, tx)
     upd = S.build_update(cfg, loss_cfg, AlgoSection(), tx, micro_batches=micro_batches,
-                         group_size=2, nan_injector=nan_injector, schedule=schedule)
+                         group_size=2, nan_injector=nan_injector, schedule=schedule,
+                         response_width=response_width, temperature=temperature)
     return params, state, upd, batch
 
 
@@ -186,6 +188,48 @@ def test_micro_batch_accumulation_is_exact():
     assert abs(float(m1["grad_norm"]) - float(m2["grad_norm"])) < 1e-5
     for a, b in zip(jax.tree_util.tree_leaves(n1.params), jax.tree_util.tree_leaves(n2.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_update_with_the_response_width_is_the_same_update():
+    # The Trainer's update scores query columns at temperature 1 and response
+    # columns at the sampling temperature only; on a rollout-layout batch that
+    # is the same loss, metrics and parameter change as scoring every column
+    # at both temperatures (Policy-KL, Query-KL and entropy all on).
+    from erpo_jax.rl.batch import validate_batch
+    _, s1, upd1, batch = _tiny_update(2, sgd=True, temperature=0.7)
+    _, s2, upd2, _ = _tiny_update(2, sgd=True, temperature=0.7, response_width=6)
+    validate_batch(batch, needs_ref_logp=True, response_width=6)
+    n1, m1 = upd1(s1, batch, None)
+    n2, m2 = upd2(s2, batch, None)
+    for k in m1:
+        np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    for a, b in zip(jax.tree_util.tree_leaves(n1.params), jax.tree_util.tree_leaves(n2.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+    # A batch whose masks cross the boundary is refused before it reaches it.
+    qm = np.asarray(batch.query_mask).copy()
+    assert np.asarray(batch.response_mask)[0, 5]   # row 0's first response target
+    qm[0, 5] = True
+    bad = batch._replace(query_mask=qm, response_mask=np.asarray(batch.response_mask) & ~qm)
+    with pytest.raises(ValueError, match="query_mask marks row 0, position 5, on the wrong side"):
+        validate_batch(bad, needs_ref_logp=True, response_width=6)
+
+
+@pytest.mark.parametrize("rows", [8, 6])
+def test_reference_forward_in_row_chunks_is_the_same_forward(rows):
+    # The Trainer runs the Policy-KL reference forward in as many row chunks
+    # as the update's micro-batches (rows j, j + n, ... together); a row count
+    # the chunks do not divide runs whole.
+    from erpo_jax.model import model as M
+    from erpo_jax.model.config import ModelConfig
+    from erpo_jax.train.train_step import make_logprob_fn
+    cfg = ModelConfig()
+    params = M.init_params(cfg, jax.random.key(0))
+    toks = jax.random.randint(jax.random.key(1), (rows, 12), 0, cfg.vocab_size)
+    mask = jnp.ones_like(toks, bool).at[1, :3].set(False)
+    whole = make_logprob_fn(cfg, 0.7, None)(params, toks, mask, last=5)
+    chunked = make_logprob_fn(cfg, 0.7, None, row_chunks=4)(params, toks, mask, last=5)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-6, rtol=1e-6)
+    assert np.all(np.asarray(chunked)[:, :-5] == 0.0)
 
 
 def test_nonfinite_gradient_skips_the_update():

@@ -46,30 +46,38 @@ class TokenLogprobs(NamedTuple):
 
 
 def logprobs_from_logits(logits: jax.Array, targets: jax.Array, temperature=1.0,
-                         select: bool = False):
+                         select: bool = True):
     """(logp, entropy), float32[...], of `targets` under softmax(logits / temperature).
 
     logits: [..., V] (any float dtype, upcast to float32); targets: int[...].
-    select: pick the targets' entries by a masked sum over V (the same
-      number: one term and zeros) rather than a gather, which a partitioner
-      cannot do on a vocabulary sharded across devices without gathering it.
+    select: pick the targets' logits by a masked sum over V (one term and
+      zeros: the same number) rather than a gather. The masked sum fuses into
+      the passes over V, and its gradient is an elementwise select that fuses
+      into the logits' gradient, where a gather's gradient is a scatter into a
+      fresh [..., V] buffer; a partitioner can also do it on a vocabulary
+      sharded across devices.
+
+    Nothing of size [..., V] is formed besides the logits and their gradient:
+    log p = z_t - logsumexp(z) and H = sum_v p_v (logsumexp(z) - z_v), with
+    z = logits / temperature, are reductions over V.
     """
     z = logits.astype(jnp.float32) / temperature
     logz = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-    logprobs = z - logz
     if select:
         hit = jnp.arange(z.shape[-1], dtype=targets.dtype) == targets[..., None]
-        logp = jnp.sum(jnp.where(hit, logprobs, 0.0), axis=-1)
+        z_t = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
     else:
-        logp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logprobs) * logprobs, axis=-1)
-    return logp, entropy
+        z_t = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    gap = logz - z            # -log p_v >= 0
+    entropy = jnp.sum(jnp.exp(-gap) * gap, axis=-1)
+    return z_t - logz[..., 0], entropy
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.Array | None = None,
                    *, temperature=1.0, chunk_size: int | None = 512,
                    positions: jax.Array | None = None,
-                   sharding: Sharding | None = None, last: int | None = None) -> TokenLogprobs:
+                   sharding: Sharding | None = None, last: int | None = None,
+                   response_columns: int | None = None) -> TokenLogprobs:
     """Log-probabilities of each next token, from one forward pass.
 
     tokens: int32[B, T] (left padding allowed); attn_mask: [B, T], 1 = real.
@@ -81,6 +89,15 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
       rollout's response columns, all a response-side KL needs); the LM head
       and log-softmax then skip the prompt positions, and the other
       T-1-last columns of every output are 0.
+    response_columns: the last `response_columns` predictions are a response
+      and the ones before it its query (an RLBatch's layout: the query
+      targets sit left of column T-1-N for N response slots). Each part gets
+      only what a loss reads there: query columns `logp_t1` (Query-KL),
+      response columns `logp` and `entropy` at `temperature` (the policy
+      gradient, Policy-KL, the entropy bonus); the rest is 0. So no gradient
+      flows into the LM head from a query column unless `logp_t1` is
+      differentiated, and with temperature != 1 each column takes one
+      log-softmax, not two.
     Returns TokenLogprobs of float32[B, T-1]; values at padded positions are
     finite but meaningless (mask them).
     """
@@ -90,6 +107,11 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
         raise ValueError(f"token_logprobs: need at least 2 tokens per row, got T={tokens.shape[1]}.")
     h, _ = model_lib.hidden_states(params, cfg, tokens, positions, attn_mask, sharding=sharding)
     h, targets = h[:, :-1], tokens[:, 1:]
+    if response_columns is not None:
+        if last is not None:
+            raise ValueError("token_logprobs: pass `last` or `response_columns`, not both.")
+        return _split_stats(params, cfg, h, targets, temperature, chunk_size, sharding,
+                            response_columns)
     skip = 0
     if last is not None:
         if not 0 < last <= h.shape[1]:
@@ -100,6 +122,27 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
     if skip:
         out = TokenLogprobs(*(jnp.pad(a, ((0, 0), (skip, 0))) for a in out))
     return out
+
+
+def _split_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size, sharding,
+                 response_columns: int) -> TokenLogprobs:
+    """TokenLogprobs with query columns scored at temperature 1 only and
+    response columns at `temperature` only (see `token_logprobs`)."""
+    Tm1 = h.shape[1]
+    if not 0 < response_columns <= Tm1:
+        raise ValueError(f"token_logprobs: response_columns={response_columns} must be in "
+                         f"[1, T-1={Tm1}].")
+    split = Tm1 - response_columns
+    resp = _head_stats(params, cfg, h[:, split:], targets[:, split:], temperature, chunk_size,
+                       sharding)
+    zeros = lambda n: jnp.zeros((h.shape[0], n), jnp.float32)
+    if split == 0:
+        return TokenLogprobs(resp.logp, resp.entropy, zeros(Tm1))
+    query = _head_stats(params, cfg, h[:, :split], targets[:, :split], 1.0, chunk_size, sharding)
+    join = lambda a, b: jnp.concatenate([a, b], axis=1)
+    return TokenLogprobs(logp=join(zeros(split), resp.logp),
+                         entropy=join(zeros(split), resp.entropy),
+                         logp_t1=join(query.logp_t1, zeros(response_columns)))
 
 
 def _head_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size,
@@ -115,9 +158,9 @@ def _head_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size,
             t_c = sharding.constrain(t_c, (None, None))
         else:
             logits = model_lib.head_logits(params, cfg, h_c, sharding)
-        logp, ent = logprobs_from_logits(logits, t_c, temperature, select=parallel)
+        logp, ent = logprobs_from_logits(logits, t_c, temperature)
         logp_t1 = (logp if same_temp else
-                   logprobs_from_logits(logits, t_c, 1.0, select=parallel)[0])
+                   logprobs_from_logits(logits, t_c, 1.0)[0])
         out = (logp, ent, logp_t1)
         if parallel:  # back to the rows' own devices
             out = tuple(sharding.constrain(a, ("batch", None)) for a in out)

@@ -75,14 +75,17 @@ def masks_from_layout(attn_mask, query_width: int):
     return query, response
 
 
-def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False) -> None:
+def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
+                   response_width: int | None = None) -> None:
     """Check a batch on the host (numpy values) before it enters the jitted loss.
 
     Raises ValueError with a sentence naming the field on: mismatched shapes
     or dtypes, query and response masks that overlap, masks that point at
     padding, a batch without any response token, a missing `ref_logp` when
     `needs_ref_logp`, non-finite values where they are read, group ids out of
-    range. The jitted loss only checks shapes (values are unknown at trace
+    range; with `response_width` N, a query target in the last N columns or a
+    response target before them (the layout an update built with
+    `response_width` relies on). The jitted loss only checks shapes (values are unknown at trace
     time) and is written to stay NaN-free on whatever passes here.
     """
     tokens = np.asarray(batch.tokens)
@@ -127,6 +130,19 @@ def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False) -> None:
             n, t = np.argwhere(m & ~real)[0]
             raise ValueError(f"RLBatch.{name} marks row {n}, position {t}, whose source or "
                              "target token is padding (attn_mask is 0 there).")
+    if response_width is not None:
+        split = T - 1 - response_width
+        if split < 0:
+            raise ValueError(f"RLBatch.tokens has T={T} columns, fewer than the "
+                             f"{response_width} response slots plus one.")
+        for name, m, bad in (("query_mask", q, q[:, split:]), ("response_mask", r, r[:, :split])):
+            if bad.any():
+                n, t = np.argwhere(bad)[0]
+                t = t + split if name == "query_mask" else t
+                raise ValueError(f"RLBatch.{name} marks row {n}, position {t}, on the wrong side "
+                                 f"of the query/response boundary at column {split} (the last "
+                                 f"{response_width} columns are the response): the batch does "
+                                 "not have the rollout layout this update was built for.")
     if not r.any():
         raise ValueError("RLBatch.response_mask has no response tokens; there is nothing to "
                          "train on (drop this batch).")

@@ -310,7 +310,8 @@ class Trainer:
             critic_batch = step_lib.CriticBatch(np.asarray(vals, np.float32),
                                                 np.asarray(returns, np.float32))
         batch = batch._replace(advantages=np.asarray(adv, np.float32), ref_logp=ref_logp)
-        validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss)
+        validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss,
+                       response_width=cfg.rollout.max_new_tokens)
         r = rewards.reshape(self.B, G)
         a_abs = np.abs(batch.advantages)   # per response, or per token (GAE)
         info = {

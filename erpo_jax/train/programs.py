@@ -72,14 +72,16 @@ class Programs:
         self.update = step_lib.build_update(
             model_cfg, lc, a, self.tx, self.critic_tx, micro_batches=o.micro_batches,
             group_size=self.G, temperature=r.temperature, chunk_size=chunk, sharding=sharding,
-            state_shardings=self.state_shardings, schedule=self.schedule)
+            state_shardings=self.state_shardings, schedule=self.schedule,
+            response_width=r.max_new_tokens)
         self.sampler = Sampler(model_cfg, SamplingConfig(
             max_new_tokens=r.max_new_tokens, num_samples=self.G, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
             min_new_tokens=r.min_new_tokens, max_prompt_len=cfg.data.max_prompt_len), sharding)
         self.eval_greedy, self.eval_sampled = eval_samplers(model_cfg, cfg, eos_ids, pad_id,
                                                             sharding)
-        self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding)
+        self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding,
+                                                    row_chunks=o.micro_batches)
         self.t1_logp_fn = step_lib.make_logprob_fn(model_cfg, 1.0, chunk, sharding)
         self.ref_pass_fn = ref_lib.make_pass_fn(model_cfg, chunk, sharding)
         self.shapes_rewards = lc.beta_policy > 0 and lc.policy_kl_mode == "reward"

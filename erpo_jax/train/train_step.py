@@ -138,7 +138,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                  critic_tx=None, *, micro_batches: int = 1, group_size: int = 1,
                  temperature: float = 1.0, chunk_size: int | None = 512,
                  sharding: Sharding | None = None, state_shardings=None,
-                 nan_injector=None, schedule=None):
+                 nan_injector=None, schedule=None, response_width: int | None = None):
     """The jitted `update(state, batch, critic_batch) -> (state, metrics)`.
 
     batch: RLBatch of N rows (whole groups of `group_size`, query-major);
@@ -148,6 +148,10 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
     carry `lr`, the rate this update applied (so the host reads every number
     of a step in one transfer). The metrics also carry the state's skip
     counters after the update: `skipped_total`, `nonfinite_in_a_row`.
+    response_width: N, when every batch has the rollout layout with N response
+      slots (`validate_batch(..., response_width=N)` checks it): the log-prob
+      pass then scores query columns at temperature 1 and response columns at
+      the sampling temperature only (`token_logprobs(response_columns=N)`).
     """
     n_micro = micro_batches
     # Gradients (and their accumulator) sharded as the parameters, not left to
@@ -159,7 +163,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
     def micro_loss(params, mb: RLBatch, shares):
         stats = token_logprobs(params, model_cfg, mb.tokens, mb.attn_mask,
                                temperature=temperature, chunk_size=chunk_size,
-                               sharding=sharding)
+                               sharding=sharding, response_columns=response_width)
         terms, metrics = loss_terms(stats, mb, loss_cfg)
         loss = sum(shares[k] * terms[k] for k in terms)
         return loss, (terms, metrics)
@@ -251,13 +255,28 @@ def shardings_of(tree):
 
 @functools.lru_cache(maxsize=None)
 def make_logprob_fn(model_cfg: ModelConfig, temperature: float, chunk_size: int | None,
-                    sharding: Sharding | None = None):
+                    sharding: Sharding | None = None, row_chunks: int = 1):
     """Jitted (params, tokens, mask, last=None) -> logp float32[N, T-1] at
     `temperature` (the reference's response log-probs for Policy-KL).
     last (static): score only the last `last` predictions, a rollout's
-    response columns; the others are 0 (see `token_logprobs`)."""
-    def logprob_fn(params, tokens, mask, last=None):
+    response columns; the others are 0 (see `token_logprobs`).
+    row_chunks: run the rows in this many equal chunks, one after another
+    (as the update runs its micro-batches), when it divides N; the numbers
+    are the same, the program's temporary memory is about 1/row_chunks."""
+    def rows(params, tokens, mask, last):
         return token_logprobs(params, model_cfg, tokens, mask, temperature=temperature,
                               chunk_size=chunk_size, sharding=sharding, last=last).logp
+
+    def logprob_fn(params, tokens, mask, last=None):
+        N = tokens.shape[0]
+        n = row_chunks if row_chunks > 1 and N % row_chunks == 0 else 1
+        if n == 1:
+            return rows(params, tokens, mask, last)
+        # Chunk j holds rows j, j + n, j + 2n, ...: with the rows sharded in
+        # blocks over a mesh, every device keeps its share of every chunk.
+        split = lambda x: x.reshape((N // n, n) + x.shape[1:]).swapaxes(0, 1)
+        out = jax.lax.map(lambda tm: rows(params, tm[0], tm[1], last),
+                          (split(tokens), split(mask)))
+        return out.swapaxes(0, 1).reshape((N,) + out.shape[2:])
 
     return jax.jit(logprob_fn, static_argnames="last", compiler_options=xla_options.for_steps())
