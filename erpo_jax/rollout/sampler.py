@@ -246,6 +246,9 @@ def kth_largest(z: jax.Array, k: int) -> jax.Array:
     prefix with it set. 32 compare-and-count passes over the row, with no
     sort. NaN logits are not expected (the sampler never makes them).
     """
+    if z.shape[-1] >= 1 << 24:
+        raise ValueError(f"kth_largest: rows of {z.shape[-1]} entries; the float32 count is exact "
+                         "below 2^24. Use lax.top_k for a vocabulary this large.")
     bits = jax.lax.bitcast_convert_type(z.astype(jnp.float32), jnp.int32)
     ordered = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)              # signed order = float order
     top = jnp.uint32(0x80000000)
@@ -253,7 +256,11 @@ def kth_largest(z: jax.Array, k: int) -> jax.Array:
 
     def add_bit(i, prefix):
         cand = prefix | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
-        enough = jnp.sum(keys >= cand[:, None], axis=-1, dtype=jnp.int32) >= k
+        # Counted in float32, exact for any count below 2^24 (a vocabulary of
+        # 16M): XLA's CPU backend sums an int32 count by writing the int32
+        # comparisons out and reducing them in windows, 1.6x slower here.
+        hits = jnp.sum((keys >= cand[:, None]).astype(jnp.float32), axis=-1)
+        enough = hits >= k
         return jnp.where(enough, cand, prefix)
 
     key = jax.lax.fori_loop(0, 32, add_bit, jnp.zeros(z.shape[:1], jnp.uint32))
