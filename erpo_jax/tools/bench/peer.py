@@ -14,7 +14,8 @@ on the same configs:
 
 Both: GRPO, beta 0.04 with the reference forward every step, AdamW(1e-3,
 weight decay 1e-4, no clipping), temperature 0.9, top-k 50, one optimizer step
-per rollout. Iteration time is the whole synchronous iteration (rollout,
+per rollout (erpo-jax runs the small config's update in 4 micro-batches: the
+same optimizer step; see CONFIGS). Iteration time is the whole synchronous iteration (rollout,
 reward, reference, update); the steady value of one process is the median of
 its iterations from the third on (the peer script's own steady mean also skips
 two). Each repetition gives one ratio erpo-jax / tunix; the report carries the
@@ -34,9 +35,16 @@ from pathlib import Path
 from erpo_jax.model.config import PRESETS
 
 # name -> (our preset, prompts, group, prompt_len, new_tokens); the peer script's SIZES.
+# micro_batches is how erpo-jax runs the same update (optim.micro_batches: the
+# gradient summed over equal row chunks, one optimizer step): the small
+# config's 128 rows x 192 tokens in one piece need 7 GiB of temporaries, which
+# glibc maps afresh and faults in page by page on every call; in 4 chunks of 32
+# rows they are 1.8 GiB, kept between calls (see runtime/host_malloc.py).
 CONFIGS = {
-    "tiny": dict(preset="peer-tiny", prompts=8, group=4, prompt_len=32, new_tokens=32),
-    "small": dict(preset="peer-small", prompts=16, group=8, prompt_len=64, new_tokens=128),
+    "tiny": dict(preset="peer-tiny", prompts=8, group=4, prompt_len=32, new_tokens=32,
+                 micro_batches=1),
+    "small": dict(preset="peer-small", prompts=16, group=8, prompt_len=64, new_tokens=128,
+                  micro_batches=4),
 }
 # What the peer script fixes, applied to the Trainer's config.
 MATCH = dict(beta_policy=0.04, temperature=0.9, top_k=50,
