@@ -50,3 +50,14 @@ def test_temporaries_are_not_faulted_in_on_every_call():
     # 32 MiB is 8,192 pages: without the setting each call faults them in again.
     assert off_faults > 4000, off_faults
     assert faults < 500, faults
+
+
+def test_a_program_over_the_trim_threshold_gets_a_note(monkeypatch):
+    from erpo_jax.runtime import host_malloc
+    monkeypatch.setattr(host_malloc, "_applied", True)
+    # The small peer config's update in one piece (7,038 MiB of temporaries).
+    note = host_malloc.large_temporaries_note("update", 7038 << 20, 1)
+    assert "6.9 GiB" in note and "optim.micro_batches=4 or more (it is 1)" in note
+    assert host_malloc.large_temporaries_note("update", 1808 << 20, 4) is None
+    monkeypatch.setattr(host_malloc, "_applied", False)   # defaults: nothing is kept anyway
+    assert host_malloc.large_temporaries_note("update", 7038 << 20, 1) is None

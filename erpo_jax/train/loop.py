@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax.runtime import compile_cache, xla_options
+from erpo_jax.runtime import compile_cache, host_malloc, xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import advantages as adv_lib
@@ -251,8 +251,22 @@ class Trainer:
             jobs.append(("reference forward",
                          lambda: self.programs.lower_reference_forward(state.params, T).compile()))
         jobs.append(("advantages", lambda: self.programs.lower_advantages(T).compile()))
-        jobs.append(("update", lambda: self.update.lower(state, batch, critic).compile()))
+        jobs.append(("update", lambda: self._note_memory(
+            "update", self.update.lower(state, batch, critic).compile())))
         return jobs
+
+    def _note_memory(self, name: str, compiled) -> None:
+        """Log when a compiled CPU program's temporaries are more than the host
+        allocator keeps between calls (`host_malloc.large_temporaries_note`)."""
+        if jax.default_backend() != "cpu":
+            return
+        try:
+            temp = compiled.memory_analysis().temp_size_in_bytes
+        except Exception:  # noqa: BLE001 - an estimate only; some backends have none
+            return
+        note = host_malloc.large_temporaries_note(name, temp, self.cfg.optim.micro_batches)
+        if note:
+            print(f"[erpo] {note}", flush=True)
 
     def _wait_for_compile(self, everything: bool = True) -> None:
         """Block until the compile-ahead thread is done (everything=False: until

@@ -37,7 +37,7 @@ from erpo_jax.model.config import PRESETS
 # name -> (our preset, prompts, group, prompt_len, new_tokens); the peer script's SIZES.
 # micro_batches is how erpo-jax runs the same update (optim.micro_batches: the
 # gradient summed over equal row chunks, one optimizer step): the small
-# config's 128 rows x 192 tokens in one piece need 7 GiB of temporaries, which
+# config's 128 rows x 192 tokens in one piece need 6.9 GiB of temporaries, which
 # glibc maps afresh and faults in page by page on every call; in 4 chunks of 32
 # rows they are 1.8 GiB, kept between calls (see runtime/host_malloc.py).
 CONFIGS = {
