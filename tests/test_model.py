@@ -187,11 +187,17 @@ def test_export_generated_config_and_sharded_files(tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, params, params2)
 
 
-def test_token_logprobs_chunked_equals_unchunked():
+def _model_and_rows():
+    """(cfg, params, tokens [3, 41], mask with row 0 left-padded by 7) for the head tests."""
     cfg = ModelConfig(vocab_size=512)
     params = M.init_params(cfg, jax.random.key(0))
     toks = jax.random.randint(jax.random.key(1), (3, 41), 0, cfg.vocab_size)
     mask = jnp.ones_like(toks).at[0, :7].set(0)
+    return cfg, params, toks, mask
+
+
+def test_token_logprobs_chunked_equals_unchunked():
+    cfg, params, toks, mask = _model_and_rows()
     full = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=None)
     chunked = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=16)
     # To 1e-6 relative (the entropy is ~6 here, where a float32 ulp is 5e-7 and the
@@ -209,10 +215,7 @@ def test_token_logprobs_chunked_equals_unchunked():
 
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_token_logprobs_last_scores_only_the_response_columns(chunk):
-    cfg = ModelConfig(vocab_size=512)
-    params = M.init_params(cfg, jax.random.key(0))
-    toks = jax.random.randint(jax.random.key(1), (3, 41), 0, cfg.vocab_size)
-    mask = jnp.ones_like(toks).at[0, :7].set(0)
+    cfg, params, toks, mask = _model_and_rows()
     full = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=chunk)
     part = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=chunk, last=19)
     for a, b in zip(full, part):
@@ -230,10 +233,7 @@ def test_token_logprobs_last_scores_only_the_response_columns(chunk):
 
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_token_logprobs_response_columns_scores_each_part_at_its_temperature(chunk):
-    cfg = ModelConfig(vocab_size=512)
-    params = M.init_params(cfg, jax.random.key(0))
-    toks = jax.random.randint(jax.random.key(1), (3, 41), 0, cfg.vocab_size)
-    mask = jnp.ones_like(toks).at[0, :7].set(0)
+    cfg, params, toks, mask = _model_and_rows()
     full = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=chunk)
     split = token_logprobs(params, cfg, toks, mask, temperature=0.8, chunk_size=chunk,
                            response_columns=19)

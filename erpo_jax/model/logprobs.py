@@ -45,29 +45,24 @@ class TokenLogprobs(NamedTuple):
     logp_t1: jax.Array
 
 
-def logprobs_from_logits(logits: jax.Array, targets: jax.Array, temperature=1.0,
-                         select: bool = True):
+def logprobs_from_logits(logits: jax.Array, targets: jax.Array, temperature=1.0):
     """(logp, entropy), float32[...], of `targets` under softmax(logits / temperature).
 
     logits: [..., V] (any float dtype, upcast to float32); targets: int[...].
-    select: pick the targets' logits by a masked sum over V (one term and
-      zeros: the same number) rather than a gather. The masked sum fuses into
-      the passes over V, and its gradient is an elementwise select that fuses
-      into the logits' gradient, where a gather's gradient is a scatter into a
-      fresh [..., V] buffer; a partitioner can also do it on a vocabulary
-      sharded across devices.
 
     Nothing of size [..., V] is formed besides the logits and their gradient:
     log p = z_t - logsumexp(z) and H = sum_v p_v (logsumexp(z) - z_v), with
-    z = logits / temperature, are reductions over V.
+    z = logits / temperature, are reductions over V. The target's logit z_t is
+    picked by a masked sum over V (one term and zeros: the same number), not a
+    gather: it fuses into the passes over V, its gradient is an elementwise
+    select that fuses into the logits' gradient (a gather's is a scatter into
+    a fresh [..., V] buffer), and a partitioner can do it on a vocabulary
+    sharded across devices.
     """
     z = logits.astype(jnp.float32) / temperature
     logz = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-    if select:
-        hit = jnp.arange(z.shape[-1], dtype=targets.dtype) == targets[..., None]
-        z_t = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
-    else:
-        z_t = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    hit = jnp.arange(z.shape[-1], dtype=targets.dtype) == targets[..., None]
+    z_t = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
     gap = logz - z            # -log p_v >= 0
     entropy = jnp.sum(jnp.exp(-gap) * gap, axis=-1)
     return z_t - logz[..., 0], entropy

@@ -135,10 +135,11 @@ def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
         if split < 0:
             raise ValueError(f"RLBatch.tokens has T={T} columns, fewer than the "
                              f"{response_width} response slots plus one.")
-        for name, m, bad in (("query_mask", q, q[:, split:]), ("response_mask", r, r[:, :split])):
+        for name, bad, first in (("query_mask", q[:, split:], split),
+                                 ("response_mask", r[:, :split], 0)):
             if bad.any():
                 n, t = np.argwhere(bad)[0]
-                t = t + split if name == "query_mask" else t
+                t = t + first
                 raise ValueError(f"RLBatch.{name} marks row {n}, position {t}, on the wrong side "
                                  f"of the query/response boundary at column {split} (the last "
                                  f"{response_width} columns are the response): the batch does "

@@ -67,24 +67,21 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
             trainer.close()
 
 
-def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: int,
-                 new_tokens: int, iters: int, micro_batches: int = 1,
-                 beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
-                 compile_cache: str = "off", temperature: float = 1.0, top_k: int = 0,
-                 optim: dict | None = None) -> dict:
+def rl_iteration(iters: int, **spec) -> dict:
     """Time `iters` RL steps through the Trainer's own `_rl_batch` + `_update`
     (rollout, arithmetic exact-match reward, GRPO advantages, the reference
-    forward for Policy-KL, the update). Iteration 0 includes compilation;
-    setup_s is the Trainer's construction (policy, task, reference pass), during
-    which the update already compiles in the background (train.compile_ahead),
-    so setup_s + first_iter_s is the time to the first finished step.
-    mesh: (data, fsdp, tensor), the Trainer's default (all devices on data).
-    compile_cache: train.compile_cache; 'off' (the default) measures cold
-    compiles whatever the user's cache holds (see `first_iteration_cached`).
-    temperature, top_k, optim (OptimSection fields): as a peer runs them."""
-    with bench_trainer(name, preset, prompts, group, prompt_len, new_tokens, iters,
-                       micro_batches, beta_policy, mesh, compile_cache, temperature, top_k,
-                       optim) as (trainer, setup):
+    forward for Policy-KL, the update) of the Trainer `bench_trainer(**spec)`
+    builds. Iteration 0 includes compilation; setup_s is the Trainer's
+    construction (policy, task, reference pass), during which the update
+    already compiles in the background (train.compile_ahead), so setup_s +
+    first_iter_s is the time to the first finished step.
+    spec: name, preset, prompts, group, prompt_len, new_tokens and optionally
+    micro_batches, beta_policy, mesh ((data, fsdp, tensor), the Trainer's
+    default puts all devices on data), compile_cache (train.compile_cache;
+    'off', the default, measures cold compiles whatever the user's cache holds,
+    see `first_iteration_cached`), temperature, top_k, optim (OptimSection
+    fields): as a peer runs them."""
+    with bench_trainer(iters=iters, **spec) as (trainer, setup):
         times, parts, losses = [], [], []
         for step in range(iters):
             t0 = time.perf_counter()
@@ -94,10 +91,11 @@ def rl_iteration(name: str, preset: str, prompts: int, group: int, prompt_len: i
             times.append(time.perf_counter() - t0)
             parts.append({**part, "time/update": time.perf_counter() - t1})
         ref_calls, cache_dir = trainer.ref_forward_calls, trainer.compile_cache
+        beta_policy, micro_batches = trainer.cfg.loss.beta_policy, trainer.cfg.optim.micro_batches
     steady = times[1:] or times
     breakdown = {k: statistics.median(p[k] for p in parts[1:] or parts) for k in parts[0]}
-    return {"name": name, "preset": preset, "prompts": prompts, "group": group,
-            "prompt_len": prompt_len, "new_tokens": new_tokens, "beta_policy": beta_policy,
+    return {**{k: spec[k] for k in ("name", "preset", "prompts", "group", "prompt_len",
+                                    "new_tokens")}, "beta_policy": beta_policy,
             "micro_batches": micro_batches, "iters": iters, "setup_s": setup,
             "first_iter_s": times[0], "steady_iter_s": statistics.median(steady),
             "steady_breakdown_s": breakdown, "first_breakdown_s": parts[0], "ref_forward_calls": ref_calls,
