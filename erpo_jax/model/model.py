@@ -220,6 +220,15 @@ class Attention(nn.Module):
             out = jnp.einsum("bngs,bnsk->bngk", probs[:, :, :, 0], v.astype(f32))
             out = out.astype(dt).reshape(B, 1, H, K)
             return mm(back(out), wo.astype(dt), 2), new_cache
+        if layer_cache is None and plat == "cpu":
+            # Head-major operands on the CPU (see attention's module
+            # docstring): the transposes fuse into the norm and RoPE above,
+            # and the output projection reads the head-major result.
+            out = attention.attend(qg.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3),
+                                   v.transpose(0, 2, 1, 3), bias, "bnsk", "bnsk",
+                                   jnp.dtype(dt).name, plat, "bngtk")          # [B, N, G, T, K]
+            wo_h = wo.astype(dt).reshape(N, H // N, K, D)
+            return jnp.einsum("bngtk,ngkd->btd", out, wo_h), new_cache
         out = attention.attend_blocked(qg, k, v, bias, ks, vs, jnp.dtype(dt).name, plat,
                                        attention.query_block(T, plat))
         return mm(back(out.reshape(B, T, H, K)), wo.astype(dt), 2), new_cache
