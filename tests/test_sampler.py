@@ -205,6 +205,33 @@ def test_kth_largest_is_lax_top_k_bit_for_bit():
                                       np.asarray(truncate_logits(z, k, 1.0, "tpu")))
 
 
+def test_kth_largest_candidate_blocks_are_lax_top_k_bit_for_bit():
+    """Rows long enough for the candidate pass (V >= 4 k b for blocks of b),
+    built to break it: block maxima tied at the k-th one, the k-th largest
+    repeated across and within blocks, the top entries crowded into few
+    blocks, a length that is no multiple of the block, and -inf."""
+    from erpo_jax.rollout.sampler import kth_block
+    rng = np.random.default_rng(1)
+    V = 8192 + 7
+    KTH_BLOCK = kth_block(V)
+    assert V >= 4 * 64 * KTH_BLOCK                          # every k below takes the pass
+    z = rng.normal(0, 3, (7, V)).astype(np.float32)
+    z[1] = np.round(z[1])                                   # few values, many ties
+    z[2] = -5.0
+    z[2, :3 * KTH_BLOCK] = rng.normal(10, 1, 3 * KTH_BLOCK)  # the top crowded into 3 blocks
+    z[3] = 1.0
+    z[3, ::KTH_BLOCK] = 2.0                                 # every block's maximum ties
+    z[4, V // 2:] = -np.inf
+    z[5] = np.asarray(jnp.asarray(z[5]).astype(jnp.bfloat16).astype(jnp.float32))
+    z[6] = 0.0                                              # one value
+    z = jnp.asarray(z)
+    for k in (1, 7, 50, 64):
+        want = jax.lax.top_k(z, k)[0][:, -1:]
+        got = kth_largest(z, k)
+        np.testing.assert_array_equal(np.asarray(got).view(np.int32),
+                                      np.asarray(want).view(np.int32), err_msg=f"k={k}")
+
+
 # ----------------------------------------------------------------------------- distribution
 
 

@@ -235,6 +235,16 @@ def truncate_logits(z: jax.Array, top_k: int, top_p: float, platform: str = "") 
     return z
 
 
+def kth_block(V: int) -> int:
+    """Entries per block of `kth_largest`'s candidate pass over rows of V:
+    the power of two nearest sqrt(V / 8), at least 8. It balances the pass's
+    two costs, finding the kept blocks (~k V / block) and the 32 passes over
+    the candidates (~32 k block). Measured, k = 50: [128, 8192] rows 11.8 ms
+    with no candidate pass, 3.8 / 6.0 / 10.9 ms with blocks of 32 / 64 / 128;
+    [64, 151936] rows 313 ms, 84 / 41 / 30 ms with blocks of 32 / 64 / 128."""
+    return max(8, 1 << round(np.log2(np.sqrt(V / 8))))
+
+
 def kth_largest(z: jax.Array, k: int) -> jax.Array:
     """float32[R, 1]: the k-th largest entry of each row of z float32[R, V]
     (counting repeats), the value `lax.top_k(z, k)[0][:, -1:]` holds.
@@ -243,8 +253,19 @@ def kth_largest(z: jax.Array, k: int) -> jax.Array:
     negative float the magnitude bits are flipped, then the sign bit is
     flipped for all), and the key of the k-th largest entry is built one bit
     at a time from the top: bit b is set when at least k keys are >= the
-    prefix with it set. 32 compare-and-count passes over the row, with no
-    sort. NaN logits are not expected (the sampler never makes them).
+    prefix with it set. 32 compare-and-count passes, with no sort. NaN
+    logits are not expected (the sampler never makes them).
+
+    Candidates first, when V >= 4 k b for blocks of b = `kth_block(V)`
+    entries. The row is cut into blocks; let M be the k-th largest block maximum. Exactly k
+    blocks are kept: every block whose maximum is > M, then blocks whose
+    maximum is M, lowest index first. With s the row's k-th largest, M <= s
+    (k blocks reach M, so k entries do). Every entry > s is kept (its block's
+    maximum is > M). If M < s, so is every entry >= s, k or more of them; if
+    M = s, each kept block holds an entry >= s. Either way the candidates
+    hold at least k entries >= s and all entries above it, so their k-th
+    largest is s. The 32 passes then run over the k b candidates (1,600
+    instead of 8,192 at k = 50), after the same search over the block maxima.
     """
     if z.shape[-1] >= 1 << 24:
         raise ValueError(f"kth_largest: rows of {z.shape[-1]} entries; the float32 count is exact "
@@ -253,20 +274,41 @@ def kth_largest(z: jax.Array, k: int) -> jax.Array:
     ordered = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)              # signed order = float order
     top = jnp.uint32(0x80000000)
     keys = jax.lax.bitcast_convert_type(ordered, jnp.uint32) ^ top      # unsigned order
+    R, V = keys.shape
+    b = kth_block(V)
+    if V >= 4 * k * b:
+        nb = -(-V // b)
+        # Padding keys are 0, below every float's key: never among the top k.
+        blocks = jnp.pad(keys, ((0, 0), (0, nb * b - V))).reshape(R, nb, b)
+        bmax = jnp.max(blocks, axis=-1)                                 # [R, nb]
+        m = _kth_key(bmax, k)[:, None]
+        above, tie = bmax > m, bmax == m
+        room = k - jnp.sum(above, axis=-1, keepdims=True)               # >= 1
+        keep = above | (tie & (jnp.cumsum(tie, axis=-1) <= room))      # exactly k per row
+        rank = jnp.cumsum(keep, axis=-1)                                # j + 1 at the j-th kept
+        # The j-th kept block's index: the number of blocks ranked <= j before it.
+        # Counted in float32 (exact: nb < 2^24), as in _kth_key.
+        idx = jnp.sum((rank[:, None, :] <= jnp.arange(k)[None, :, None]).astype(jnp.float32),
+                      axis=-1).astype(jnp.int32)                        # [R, k]
+        keys = jnp.take_along_axis(blocks, idx[:, :, None], axis=1).reshape(R, k * b)
+    key = _kth_key(keys, k)
+    ordered = jax.lax.bitcast_convert_type(key ^ top, jnp.int32)
+    bits = jnp.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)[:, None]
 
+
+def _kth_key(keys: jax.Array, k: int) -> jax.Array:
+    """uint32[R]: the k-th largest of each row of keys uint32[R, V], built bit
+    by bit from the top (see `kth_largest`)."""
     def add_bit(i, prefix):
         cand = prefix | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
         # Counted in float32, exact for any count below 2^24 (a vocabulary of
         # 16M): XLA's CPU backend sums an int32 count by writing the int32
         # comparisons out and reducing them in windows, 1.6x slower here.
         hits = jnp.sum((keys >= cand[:, None]).astype(jnp.float32), axis=-1)
-        enough = hits >= k
-        return jnp.where(enough, cand, prefix)
+        return jnp.where(hits >= k, cand, prefix)
 
-    key = jax.lax.fori_loop(0, 32, add_bit, jnp.zeros(z.shape[:1], jnp.uint32))
-    ordered = jax.lax.bitcast_convert_type(key ^ top, jnp.int32)
-    bits = jnp.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)[:, None]
+    return jax.lax.fori_loop(0, 32, add_bit, jnp.zeros(keys.shape[:1], jnp.uint32))
 
 
 def inverse_cdf_sample(z: jax.Array, u: jax.Array) -> jax.Array:
