@@ -213,14 +213,14 @@ def test_kth_largest_candidate_blocks_are_lax_top_k_bit_for_bit():
     from erpo_jax.rollout.sampler import kth_block
     rng = np.random.default_rng(1)
     V = 8192 + 7
-    KTH_BLOCK = kth_block(V)
-    assert V >= 4 * 64 * KTH_BLOCK                          # every k below takes the pass
+    b = kth_block(V)
+    assert V >= 4 * 64 * b                          # every k below takes the pass
     z = rng.normal(0, 3, (7, V)).astype(np.float32)
     z[1] = np.round(z[1])                                   # few values, many ties
     z[2] = -5.0
-    z[2, :3 * KTH_BLOCK] = rng.normal(10, 1, 3 * KTH_BLOCK)  # the top crowded into 3 blocks
+    z[2, :3 * b] = rng.normal(10, 1, 3 * b)  # the top crowded into 3 blocks
     z[3] = 1.0
-    z[3, ::KTH_BLOCK] = 2.0                                 # every block's maximum ties
+    z[3, ::b] = 2.0                                 # every block's maximum ties
     z[4, V // 2:] = -np.inf
     z[5] = np.asarray(jnp.asarray(z[5]).astype(jnp.bfloat16).astype(jnp.float32))
     z[6] = 0.0                                              # one value

@@ -222,8 +222,8 @@ class Attention(nn.Module):
             return mm(back(out), wo.astype(dt), 2), new_cache
         if layer_cache is None and plat == "cpu":
             # Head-major operands on the CPU (see attention's module
-            # docstring): the transposes fuse into the norm and RoPE above,
-            # and the output projection reads the head-major result.
+            # docstring): one transpose each of q, k and v, and the output
+            # projection reads the head-major result.
             out = attention.attend(qg.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3),
                                    v.transpose(0, 2, 1, 3), bias, "bnsk", "bnsk",
                                    jnp.dtype(dt).name, plat, "bngtk")          # [B, N, G, T, K]

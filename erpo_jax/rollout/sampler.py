@@ -257,9 +257,9 @@ def kth_largest(z: jax.Array, k: int) -> jax.Array:
     logits are not expected (the sampler never makes them).
 
     Candidates first, when V >= 4 k b for blocks of b = `kth_block(V)`
-    entries. The row is cut into blocks; let M be the k-th largest block maximum. Exactly k
-    blocks are kept: every block whose maximum is > M, then blocks whose
-    maximum is M, lowest index first. With s the row's k-th largest, M <= s
+    entries. The row is cut into blocks; let M be the k-th largest block
+    maximum. Exactly k blocks are kept: every block whose maximum is > M,
+    then blocks whose maximum is M, lowest index first. With s the row's k-th largest, M <= s
     (k blocks reach M, so k entries do). Every entry > s is kept (its block's
     maximum is > M). If M < s, so is every entry >= s, k or more of them; if
     M = s, each kept block holds an entry >= s. Either way the candidates
