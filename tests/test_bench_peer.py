@@ -22,7 +22,7 @@ print("per-iteration wall (s): " + str(walls))
 """
 
 
-def _fake_ours(size, iters):
+def _fake_ours(size, iters, share_query=True):
     steady = {"tiny": 0.25, "small": 1.0}[size]
     return {"iter_s": [3.0] + [steady] * (iters - 1), "steady_s": steady, "update_s": 0.1,
             "breakdown_s": {}}
@@ -33,8 +33,8 @@ def test_compare_interleaves_and_takes_ratios_per_repetition(tmp_path):
     script.write_text(FAKE_PEER)
     calls = []
 
-    def ours(size, iters):
-        calls.append(("ours", size))
+    def ours(size, iters, share_query=True):
+        calls.append(("ours", size, share_query))
         return _fake_ours(size, iters)
     real_peer = bench_peer.run_peer
 
@@ -47,11 +47,14 @@ def test_compare_interleaves_and_takes_ratios_per_repetition(tmp_path):
                                  paths=(script, __import__("pathlib").Path(sys.executable)),
                                  say=lambda s: None)
     # Repetition 0: ours first; repetition 1: the peer first.
-    assert calls[:4] == [("ours", "tiny"), ("peer", "tiny"), ("peer", "tiny"), ("ours", "tiny")]
+    assert calls[:4] == [("ours", "tiny", True), ("peer", "tiny"), ("peer", "tiny"),
+                         ("ours", "tiny", True)]
     t, s = res["configs"]["tiny"], res["configs"]["small"]
     assert t["peer_steady_s"] == 0.5 and t["ratio"] == 0.5 and t["ratios"] == [0.5, 0.5]
     assert s["peer_steady_s"] == 4.0 and s["ratio"] == 0.25
     assert t["update_mfu"] == pytest.approx(bench_peer.update_flops("tiny") / 0.1 / 1e9)
+    # The MFU counts the FLOPs the update executes: each group's query once.
+    assert bench_peer.update_flops("tiny") < 0.7 * bench_peer.update_flops("tiny", False)
     assert res["peer_missing"] is None
     bench_peer.print_table(res)
 

@@ -116,3 +116,32 @@ def test_vocab_parallel_logprob_gradients_match_single_device(tied):
         r = dict(jax.tree_util.tree_flatten_with_path(want_g)[0])[path]
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def test_grouped_query_logprobs_on_a_mesh_match_single_device():
+    # model.share_query on a mesh: each group's query runs once on the
+    # devices that hold its rows (4 queries over a data-parallel size of 4),
+    # with the same log-probs and gradients as every row whole on one device.
+    sh = Sharding(make_mesh((2, 2, 2)))
+    assert sh.data_size == 4
+    G, Q, R = 2, 10, 6
+    query = jax.random.randint(jax.random.key(1), (4, Q), 1, CFG.vocab_size)
+    toks = jnp.concatenate([jnp.repeat(query, G, axis=0),
+                            jax.random.randint(jax.random.key(2), (8, R), 1, CFG.vocab_size)], 1)
+    mask = jnp.ones_like(toks, bool).at[:2, :4].set(False).at[5, -2:].set(False)
+    w = jax.random.normal(jax.random.key(3), (3, 8, Q + R - 1)) * (mask[:, :-1] & mask[:, 1:])
+
+    def loss(p, s, g):
+        out = token_logprobs(p, CFG, toks, mask, temperature=0.7, chunk_size=4, sharding=s,
+                             response_columns=R, group_size=g)
+        return sum(jnp.sum(a * wi) for a, wi in zip(out, w))
+
+    params = M.init_params(CFG, jax.random.key(0))
+    want_l, want_g = jax.value_and_grad(loss)(params, None, 1)
+    sharded = M.init_params(CFG, jax.random.key(0), sh)
+    got_l, got_g = jax.jit(jax.value_and_grad(lambda p: loss(p, sh, G)))(sharded)
+    np.testing.assert_allclose(float(got_l), float(want_l), rtol=1e-5)
+    for path, g in jax.tree_util.tree_flatten_with_path(got_g)[0]:
+        r = dict(jax.tree_util.tree_flatten_with_path(want_g)[0])[path]
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -156,7 +156,7 @@ def test_reference_model_is_never_run_without_policy_kl(sft_model, tmp_path):
 
 
 def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0,
-                 response_width=None, temperature=1.0):
+                 response_width=None, temperature=1.0, share_query=False):
     from erpo_jax.model import model as M
     from erpo_jax.model.config import ModelConfig
     from erpo_jax.rl.synthetic import synthetic_batch
@@ -174,7 +174,8 @@ def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0,
     state = S.init_state(params, tx)
     upd = S.build_update(cfg, loss_cfg, AlgoSection(), tx, micro_batches=micro_batches,
                          group_size=2, nan_injector=nan_injector, schedule=schedule,
-                         response_width=response_width, temperature=temperature)
+                         response_width=response_width, temperature=temperature,
+                         share_query=share_query)
     return params, state, upd, batch
 
 
@@ -190,6 +191,15 @@ def test_micro_batch_accumulation_is_exact():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+def _assert_same_update(out1, out2):
+    """Two updates' (state, metrics): the same metrics and parameters."""
+    (n1, m1), (n2, m2) = out1, out2
+    for k in m1:
+        np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    for a, b in zip(jax.tree_util.tree_leaves(n1.params), jax.tree_util.tree_leaves(n2.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+
+
 def test_update_with_the_response_width_is_the_same_update():
     # The Trainer's update scores query columns at temperature 1 and response
     # columns at the sampling temperature only; on a rollout-layout batch that
@@ -199,12 +209,7 @@ def test_update_with_the_response_width_is_the_same_update():
     _, s1, upd1, batch = _tiny_update(2, sgd=True, temperature=0.7)
     _, s2, upd2, _ = _tiny_update(2, sgd=True, temperature=0.7, response_width=6)
     validate_batch(batch, needs_ref_logp=True, response_width=6)
-    n1, m1 = upd1(s1, batch, None)
-    n2, m2 = upd2(s2, batch, None)
-    for k in m1:
-        np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, atol=1e-7, err_msg=k)
-    for a, b in zip(jax.tree_util.tree_leaves(n1.params), jax.tree_util.tree_leaves(n2.params)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+    _assert_same_update(upd1(s1, batch, None), upd2(s2, batch, None))
     # A batch whose masks cross the boundary is refused before it reaches it.
     qm = np.asarray(batch.query_mask).copy()
     assert np.asarray(batch.response_mask)[0, 5]   # row 0's first response target
@@ -212,6 +217,26 @@ def test_update_with_the_response_width_is_the_same_update():
     bad = batch._replace(query_mask=qm, response_mask=np.asarray(batch.response_mask) & ~qm)
     with pytest.raises(ValueError, match="query_mask marks row 0, position 5, on the wrong side"):
         validate_batch(bad, needs_ref_logp=True, response_width=6)
+
+
+def test_update_running_each_query_once_is_the_same_update():
+    # model.share_query: each micro-batch runs its groups' queries through
+    # the model once. Same loss, metrics and parameter change as every row
+    # whole (Policy-KL, Query-KL and entropy on), and a batch whose groups
+    # do not repeat one query is refused before it reaches the update.
+    from erpo_jax.rl.batch import validate_batch
+    _, s1, upd1, batch = _tiny_update(2, sgd=True, temperature=0.7, response_width=6)
+    _, s2, upd2, _ = _tiny_update(2, sgd=True, temperature=0.7, response_width=6,
+                                  share_query=True)
+    validate_batch(batch, needs_ref_logp=True, response_width=6, group_size=2)
+    _assert_same_update(upd1(s1, batch, None), upd2(s2, batch, None))
+    order = np.array([0, 2, 1, 3, 4, 5, 6, 7])      # rows 1 and 2 swap groups
+    swapped = jax.tree_util.tree_map(lambda x: None if x is None else np.asarray(x)[order],
+                                     batch)
+    with pytest.raises(ValueError, match="row 1 differs from row 0 in the query columns"):
+        validate_batch(swapped, needs_ref_logp=True, response_width=6, group_size=2)
+    with pytest.raises(ValueError, match="share_query needs response_width"):
+        _tiny_update(2, share_query=True)
 
 
 @pytest.mark.parametrize("rows", [8, 6])
@@ -230,6 +255,16 @@ def test_reference_forward_in_row_chunks_is_the_same_forward(rows):
     chunked = make_logprob_fn(cfg, 0.7, None, row_chunks=4)(params, toks, mask, last=5)
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-6, rtol=1e-6)
     assert np.all(np.asarray(chunked)[:, :-5] == 0.0)
+    # Rows in groups of 2 repeating a query: each query runs once, the chunks
+    # hold whole groups (groups j, j + n, ...), and the numbers are the same.
+    toks = jnp.repeat(toks[::2, :7], 2, axis=0)
+    toks = jnp.concatenate([toks, jax.random.randint(jax.random.key(2), (rows, 5), 0,
+                                                     cfg.vocab_size)], axis=1)
+    mask = jnp.ones_like(toks, bool).at[:2, :3].set(False)
+    whole = make_logprob_fn(cfg, 0.7, None)(params, toks, mask, last=5)
+    grouped = make_logprob_fn(cfg, 0.7, None, row_chunks=4 if rows == 8 else 3,
+                              group_size=2)(params, toks, mask, last=5)
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(whole), atol=1e-6, rtol=1e-6)
 
 
 def test_nonfinite_gradient_skips_the_update():

@@ -72,7 +72,7 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
                    *, temperature=1.0, chunk_size: int | None = 512,
                    positions: jax.Array | None = None,
                    sharding: Sharding | None = None, last: int | None = None,
-                   response_columns: int | None = None) -> TokenLogprobs:
+                   response_columns: int | None = None, group_size: int = 1) -> TokenLogprobs:
     """Log-probabilities of each next token, from one forward pass.
 
     tokens: int32[B, T] (left padding allowed); attn_mask: [B, T], 1 = real.
@@ -93,6 +93,14 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
       flows into the LM head from a query column unless `logp_t1` is
       differentiated, and with temperature != 1 each column takes one
       log-softmax, not two.
+    group_size: G > 1 when the rows come in consecutive groups of G that
+      repeat one query: the same tokens and mask in the first T-N columns,
+      N = `last` or `response_columns` (a rollout's layout: G responses per
+      query). Each group's query then runs through the model once, not G
+      times (`model.hidden_states_grouped`), and its query columns are
+      scored once and repeated to the group's rows. The same function of
+      the parameters, with the query part's work divided by G; nothing here
+      checks the repetition (`rl.batch.validate_batch` does).
     Returns TokenLogprobs of float32[B, T-1]; values at padded positions are
     finite but meaningless (mask them).
     """
@@ -100,6 +108,12 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
         raise ValueError(f"token_logprobs: tokens must be int[B, T], got shape {tokens.shape}.")
     if tokens.shape[1] < 2:
         raise ValueError(f"token_logprobs: need at least 2 tokens per row, got T={tokens.shape[1]}.")
+    if group_size > 1:
+        if positions is not None:
+            raise ValueError("token_logprobs: group_size > 1 takes positions from the mask; "
+                             "do not pass `positions`.")
+        return _grouped_stats(params, cfg, tokens, attn_mask, temperature, chunk_size,
+                              sharding, last, response_columns, group_size)
     h, _ = model_lib.hidden_states(params, cfg, tokens, positions, attn_mask, sharding=sharding)
     h, targets = h[:, :-1], tokens[:, 1:]
     if response_columns is not None:
@@ -138,6 +152,38 @@ def _split_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size, 
     return TokenLogprobs(logp=join(zeros(split), resp.logp),
                          entropy=join(zeros(split), resp.entropy),
                          logp_t1=join(query.logp_t1, zeros(response_columns)))
+
+
+def _grouped_stats(params, cfg: ModelConfig, tokens, attn_mask, temperature, chunk_size,
+                   sharding, last, response_columns, G: int) -> TokenLogprobs:
+    """`token_logprobs` of rows in groups of G that repeat their query (see there)."""
+    B, T = tokens.shape
+    if (last is None) == (response_columns is None):
+        raise ValueError("token_logprobs: group_size > 1 needs exactly one of `last` and "
+                         "`response_columns` (the response width: the columns before it are "
+                         "the query the group shares).")
+    N = last if last is not None else response_columns
+    if not 0 < N <= T - 1:
+        name = "last" if last is not None else "response_columns"
+        raise ValueError(f"token_logprobs: {name}={N} must be in [1, T-1={T - 1}].")
+    if B % G:
+        raise ValueError(f"token_logprobs: {B} rows are not whole groups of group_size={G}.")
+    Q = T - N
+    hq, hr = model_lib.hidden_states_grouped(params, cfg, tokens, attn_mask, group_size=G,
+                                             query_width=Q, sharding=sharding)
+    # Column Q-1 (the query's last token predicting the first response token)
+    # is a response column whose hidden state is the group's.
+    h_resp = jnp.concatenate([jnp.repeat(hq[:, -1:], G, axis=0), hr[:, :-1]], axis=1)
+    resp = _head_stats(params, cfg, h_resp, tokens[:, Q:], temperature, chunk_size, sharding)
+    zeros = lambda n: jnp.zeros((B, n), jnp.float32)
+    pad = lambda a: jnp.concatenate([zeros(Q - 1), a], axis=1)
+    if last is not None or Q == 1:
+        return TokenLogprobs(*(pad(a) for a in resp[:2]),
+                             pad(resp.logp_t1) if last is not None else zeros(T - 1))
+    query = _head_stats(params, cfg, hq[:, :-1], tokens[::G, 1:Q], 1.0, chunk_size, sharding)
+    logp_q = jnp.repeat(query.logp_t1, G, axis=0)
+    return TokenLogprobs(logp=pad(resp.logp), entropy=pad(resp.entropy),
+                         logp_t1=jnp.concatenate([logp_q, zeros(N)], axis=1))
 
 
 def _head_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size,

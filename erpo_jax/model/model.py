@@ -151,7 +151,16 @@ class Attention(nn.Module):
     sharding: Sharding | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, bias, layer_cache, cache_index):
+    def __call__(self, x, cos, sin, bias, layer_cache, cache_index, prefix=None,
+                 kv_out: bool = False):
+        """Attention output [B, T, D] and the updated cache (None without one;
+        with kv_out, this call's own keys and values [B, T, N, K] instead).
+
+        prefix: None, or keys and values [B, Sp, N, K] (after RoPE) of Sp
+        earlier slots that every query sees ahead of this call's own T
+        (cacheless only; bias is then [B, T, Sp + T]): how the responses of
+        a group attend to the query run once for the group
+        (`hidden_states_grouped`)."""
         cfg, dt = self.cfg, self.cfg.jnp_compute_dtype
         D, H, N, K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = nn.initializers.normal(0.02)
@@ -164,6 +173,8 @@ class Attention(nn.Module):
         q = mm(x, wq.astype(dt))
         k = mm(x, wk.astype(dt))
         v = mm(x, wv.astype(dt))
+        if layer_cache is not None and (prefix is not None or kv_out):
+            raise ValueError("Attention: prefix and kv_out are for the cacheless pass only.")
         if layer_cache is not None and self.sharding is not None:
             # Projected where x is (under a weight-stationary decode: every
             # row on every chip, the contraction's partial sums reduced), not
@@ -199,9 +210,13 @@ class Attention(nn.Module):
             rows = "rows"
             back = lambda o: constrain(o, ("batch", "length", "act_heads", None))
         else:
+            new_cache = (k, v) if kv_out else None
+            if prefix is not None:
+                k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
+                v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
             k = constrain(k, ("batch", "length", "act_kv_heads", None))
             v = constrain(v, ("batch", "length", "act_kv_heads", None))
-            new_cache, ks, vs = None, "bsnk", "bsnk"
+            ks, vs = "bsnk", "bsnk"
             rows, back = "batch", lambda o: o
         q = constrain(q, (rows, "length", "act_heads", None))
 
@@ -258,19 +273,21 @@ class Block(nn.Module):
     cached path applies layer by layer.
 
     carry = (x, layer_cache): hidden states and either None or this layer's
-    (k, v) buffers (see KVCache), returned updated.
+    (k, v) buffers (see KVCache), returned updated. prefix / kv_out: see
+    `Attention`; with kv_out the carry's second slot comes back as the
+    layer's own (k, v).
     """
 
     cfg: ModelConfig
     sharding: Sharding | None = None
 
     @nn.compact
-    def __call__(self, carry, cos, sin, bias, cache_index):
+    def __call__(self, carry, cos, sin, bias, cache_index, prefix=None, kv_out: bool = False):
         cfg = self.cfg
         x, layer_cache = carry
         h, new_cache = Attention(cfg, self.sharding, name="attn")(
             RMSNorm(cfg, cfg.hidden_size, name="input_norm")(x), cos, sin, bias, layer_cache,
-            cache_index)
+            cache_index, prefix, kv_out)
         x = x + h
         x = x + MLP(cfg, self.sharding, name="mlp")(
             RMSNorm(cfg, cfg.hidden_size, name="post_attn_norm")(x))
@@ -335,10 +352,16 @@ def _layer_inputs(embedding, cfg: ModelConfig, sharding: Sharding | None, tokens
     else:
         q_slot = cache.index + jnp.arange(T)
         key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
+    bias = _attention_bias(q_slot, key_valid)
+    return x, cos, sin, bias, (None if cache is None else key_valid)
+
+
+def _attention_bias(q_slot: jax.Array, key_valid: jax.Array) -> jax.Array:
+    """float32[B, T, S]: 0 where the query at slot q_slot[t] may attend key
+    slot s (s <= q_slot[t] and key_valid[b, s]), NEG_INF elsewhere."""
     k_slot = jnp.arange(key_valid.shape[1])
     allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]
-    bias = jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)  # [B, T, S]
-    return x, cos, sin, bias, (None if cache is None else key_valid)
+    return jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- pure API
@@ -450,6 +473,73 @@ def hidden_states(params, cfg: ModelConfig, tokens, positions=None, attn_mask=No
         return _hidden_unrolled(params, cfg, tokens, positions, attn_mask, cache, sharding)
     return _module(cfg, sharding).apply({"params": params}, tokens, positions, attn_mask,
                                         method=Transformer.hidden), None
+
+
+def hidden_states_grouped(params, cfg: ModelConfig, tokens, attn_mask, *, group_size: int,
+                          query_width: int, sharding: Sharding | None = None):
+    """Final-normed hidden states of rows that come in groups sharing a query,
+    with each group's query run once: (h_query [B/G, Q, D], h_rest [B, T-Q, D]).
+
+    tokens, attn_mask: [B, T], B = P * group_size rows, rows g*G .. g*G+G-1
+    one group whose first Q = query_width columns (tokens and mask) are the
+    same: the G responses of one left-padded query, as a rollout lays them
+    out. The query's Q columns go through the layers once per group (P rows);
+    the other T-Q columns of every row attend to the group's query keys and
+    values, repeated to the group's rows, ahead of their own. This is the
+    cacheless `hidden_states` of the B rows, h[::G, :Q] and h[:, Q:], as a
+    function (the same positions, masks and weights), with the query part's
+    work and activations divided by G; its gradient sums each group's
+    repeated keys and values back onto the one query. The caller checks that
+    the rows of a group do repeat their query (`rl.batch.validate_batch`
+    with `group_size`): nothing here can.
+
+    Layers scan over stacked parameters (or run unrolled on `unstack_layers`
+    output, or when `scan_layers` is off), each under `jax.checkpoint` with
+    `remat`, as in `hidden_states`.
+    """
+    B, T = tokens.shape
+    G, Q = int(group_size), int(query_width)
+    if G < 1 or B % G:
+        raise ValueError(f"hidden_states_grouped: {B} rows are not whole groups of "
+                         f"group_size={G}.")
+    if not 0 < Q < T:
+        raise ValueError(f"hidden_states_grouped: query_width={Q} must be in [1, T-1={T - 1}].")
+    if attn_mask is None:
+        attn_mask = jnp.ones(tokens.shape, bool)
+    mask = attn_mask.astype(bool)
+    positions = positions_from_mask(mask)
+    first = lambda a: a[::G, :Q]
+    xq, cos_q, sin_q, bias_q, _ = _layer_inputs(params["embed"], cfg, sharding, first(tokens),
+                                                first(positions), first(mask), None)
+    xr, cos_r, sin_r, _, _ = _layer_inputs(params["embed"], cfg, sharding, tokens[:, Q:],
+                                           positions[:, Q:], mask[:, Q:], None)
+    bias_r = _attention_bias(Q + jnp.arange(T - Q), mask)                 # [B, T-Q, T]
+    block = _block(cfg, sharding)
+    zero = jnp.zeros((), jnp.int32)
+    repeat = lambda a: jnp.repeat(a, G, axis=0) if G > 1 else a
+
+    def layer(lp, xq, xr):
+        (xq, kv), _ = block.apply({"params": lp}, (xq, None), cos_q, sin_q, bias_q, zero,
+                                  kv_out=True)
+        prefix = tuple(repeat(a) for a in kv)
+        if sharding is not None:
+            prefix = tuple(sharding.constrain(a, ("batch", "length", "act_kv_heads", None))
+                           for a in prefix)
+        (xr, _), _ = block.apply({"params": lp}, (xr, None), cos_r, sin_r, bias_r, zero,
+                                 prefix=prefix)
+        return xq, xr
+
+    if cfg.remat:
+        layer = jax.checkpoint(layer, prevent_cse=False)
+    layers = params["layers"]
+    if isinstance(layers, tuple) or not cfg.scans_layers:
+        for lp in unstack_layers(params)["layers"]:
+            xq, xr = layer(lp, xq, xr)
+    else:
+        (xq, xr), _ = jax.lax.scan(lambda c, lp: (layer(lp, *c), None), (xq, xr), layers)
+    norm = lambda x: rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps,
+                              cfg.jnp_compute_dtype)
+    return norm(xq), norm(xr)
 
 
 def head_weight(params, cfg: ModelConfig) -> jax.Array:

@@ -76,7 +76,7 @@ def masks_from_layout(attn_mask, query_width: int):
 
 
 def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
-                   response_width: int | None = None) -> None:
+                   response_width: int | None = None, group_size: int = 1) -> None:
     """Check a batch on the host (numpy values) before it enters the jitted loss.
 
     Raises ValueError with a sentence naming the field on: mismatched shapes
@@ -85,8 +85,12 @@ def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
     `needs_ref_logp`, non-finite values where they are read, group ids out of
     range; with `response_width` N, a query target in the last N columns or a
     response target before them (the layout an update built with
-    `response_width` relies on). The jitted loss only checks shapes (values are unknown at trace
-    time) and is written to stay NaN-free on whatever passes here.
+    `response_width` relies on); with `group_size` G > 1 (and
+    `response_width`), rows that are not consecutive groups of G repeating
+    one query (the same tokens and mask before the response columns, what
+    an update that runs each group's query once relies on). The jitted loss
+    only checks shapes (values are unknown at trace time) and is written to
+    stay NaN-free on whatever passes here.
     """
     tokens = np.asarray(batch.tokens)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
@@ -144,6 +148,11 @@ def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
                                  f"of the query/response boundary at column {split} (the last "
                                  f"{response_width} columns are the response): the batch does "
                                  "not have the rollout layout this update was built for.")
+    if group_size > 1:
+        if response_width is None:
+            raise ValueError("validate_batch: group_size > 1 needs response_width (the query "
+                             "is the columns before the response).")
+        check_groups(tokens, attn, group_size, T - response_width)
     if not r.any():
         raise ValueError("RLBatch.response_mask has no response tokens; there is nothing to "
                          "train on (drop this batch).")
@@ -167,6 +176,27 @@ def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
     if not np.issubdtype(gid.dtype, np.integer) or gid.min() < 0 or gid.max() >= N:
         raise ValueError(f"RLBatch.group_id must be integers in [0, {N}), got range "
                          f"[{gid.min()}, {gid.max()}] with dtype {gid.dtype}.")
+
+
+def check_groups(tokens, attn_mask, group_size: int, query_width: int) -> None:
+    """Raise ValueError unless the rows are consecutive groups of `group_size`
+    whose rows have the same first `query_width` columns of tokens and
+    attn_mask (one query, repeated for its G responses)."""
+    tokens, attn = np.asarray(tokens), np.asarray(attn_mask).astype(bool)
+    N, G = tokens.shape[0], int(group_size)
+    if N % G:
+        raise ValueError(f"RLBatch has {N} rows, not whole groups of {G} responses per query.")
+    for name, a in (("tokens", tokens), ("attn_mask", attn)):
+        q = a[:, :query_width].reshape(N // G, G, query_width)
+        diff = np.any(q != q[:, :1], axis=-1)                   # [N/G, G]
+        if diff.any():
+            g, i = np.argwhere(diff)[0]
+            raise ValueError(
+                f"RLBatch.{name}: row {g * G + i} differs from row {g * G} in the query columns "
+                f"[0, {query_width}), but both are in group {g} of {G} consecutive rows. The "
+                "update runs each group's query once (model.share_query), so the rows of a "
+                "group must repeat one query, query-major as a rollout lays them out; fix the "
+                "batch's row order, or set model.share_query=false.")
 
 
 def as_jax(batch: RLBatch) -> RLBatch:

@@ -26,7 +26,8 @@ built as follows, and labelled as estimates:
 - update, reference forward, reference pass (layer scans): FLOPs are the
   model FLOPs from the shapes (`bench.model_flops_per_step`: 6 (2 forward-only)
   x matmul parameters x tokens + attention, plus one forward more with
-  remat), bytes the compiler's (a lower bound), so their time is the compute
+  remat; the update's and the reference forward's with each group's query
+  counted once under model.share_query), bytes the compiler's (a lower bound), so their time is the compute
   bound;
 - collectives (all-gathers, reduce-scatters over ICI or DCN) are in neither.
 """
@@ -138,9 +139,10 @@ def libtpu_missing() -> str | None:
 # ----------------------------------------------------------------------------- analysis
 
 
-def _model_flops(model_cfg, rows: int, T: int, train: bool) -> float:
+def _model_flops(model_cfg, rows: int, T: int, train: bool, group: int = 1,
+                 query_width: int = 0) -> float:
     from erpo_jax.tools.bench import model_flops_per_step
-    f = model_flops_per_step(model_cfg, rows, T)
+    f = model_flops_per_step(model_cfg, rows, T, group, query_width)
     if not train:
         return f / 3
     return f * (4 / 3 if model_cfg.remat else 1.0)
@@ -247,7 +249,9 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
                         "collectives (ICI/DCN all-gathers, reduce-scatters) are not in the "
                         "roofline", "estimated_ms is a roofline estimate, not a measurement",
                         "XLA counts each loop body once; see `erpo_jax.tools.plan` for the estimates"],
-              "programs": []}
+              "query_group": progs.query_group, "programs": []}
+    if progs.query_group_note:
+        report["notes"].append(progs.query_group_note)
     for prog in progs.planned():
         if only and prog.name not in only:
             continue
@@ -271,13 +275,17 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
         else:
             train = prog.name == "update"
             T = prog.tokens // prog.rows
-            row["flops"] = _model_flops(model_cfg, prog.rows, T, train) / chips
+            # The update and the reference forward run each group's query once.
+            shared = (progs.query_group, T - N) if prog.name in ("update",
+                                                                "reference forward") else (1, 0)
+            row["flops"] = _model_flops(model_cfg, prog.rows, T, train, *shared) / chips
             row["bytes_accessed"] = row["xla_bytes_accessed"]
         t_c, t_m = row["flops"] / top.peak_flops, row["bytes_accessed"] / top.hbm_bytes_per_s
         row["estimated_ms"] = 1e3 * max(t_c, t_m)
         row["bound"] = "compute" if t_c >= t_m else "memory"
         if prog.name == "update":
-            model = _model_flops(model_cfg, prog.rows, prog.tokens // prog.rows, False) * 3
+            model = _model_flops(model_cfg, prog.rows, prog.tokens // prog.rows, False,
+                                 *shared) * 3
             row["estimated_mfu"] = model / chips / top.peak_flops / (row["estimated_ms"] / 1e3)
         formula = _formula_gib(cfg, prog, top, shape, progs.sharding.data_size)
         if formula is not None:

@@ -42,6 +42,12 @@ class ModelSection:
     remat: bool = False
     scan_layers: bool | None = None
     logprob_chunk: int = 512
+    # Run each group's query through the model once in the update and the
+    # reference forward, not once per response (the G rows of a group repeat
+    # it): the same numbers with the query's share of the work divided by
+    # rollout.group_size. Off where a micro-batch's queries do not split
+    # evenly over the mesh's data-parallel size (Programs.query_group).
+    share_query: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,6 +124,9 @@ class Trainer:
 
         self.programs = progs = Programs(cfg, self.model_cfg, self.sharding,
                                          self.tokenizer.eos_ids, self.tokenizer.pad_id)
+        if progs.query_group_note and self.primary:
+            print(f"[erpo] {progs.query_group_note}; each response row runs its own query.",
+                  flush=True)
         critic = None
         if progs.has_critic:
             critic = critic_lib.init_critic(self.model_cfg, jax.random.key(t.seed), params)
@@ -325,7 +328,8 @@ class Trainer:
                                                 np.asarray(returns, np.float32))
         batch = batch._replace(advantages=np.asarray(adv, np.float32), ref_logp=ref_logp)
         validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss,
-                       response_width=cfg.rollout.max_new_tokens)
+                       response_width=cfg.rollout.max_new_tokens,
+                       group_size=self.programs.query_group)
         r = rewards.reshape(self.B, G)
         a_abs = np.abs(batch.advantages)   # per response, or per token (GAE)
         info = {

@@ -69,11 +69,12 @@ class Programs:
         self.state_shardings = (None if sharding is None else
                                 step_lib.shardings_of(self.abstract_state()))
         chunk = cfg.model.logprob_chunk
+        self.query_group, self.query_group_note = self._query_group()
         self.update = step_lib.build_update(
             model_cfg, lc, a, self.tx, self.critic_tx, micro_batches=o.micro_batches,
             group_size=self.G, temperature=r.temperature, chunk_size=chunk, sharding=sharding,
             state_shardings=self.state_shardings, schedule=self.schedule,
-            response_width=r.max_new_tokens)
+            response_width=r.max_new_tokens, share_query=self.query_group > 1)
         self.sampler = Sampler(model_cfg, SamplingConfig(
             max_new_tokens=r.max_new_tokens, num_samples=self.G, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
@@ -81,7 +82,8 @@ class Programs:
         self.eval_greedy, self.eval_sampled = eval_samplers(model_cfg, cfg, eos_ids, pad_id,
                                                             sharding)
         self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding,
-                                                    row_chunks=o.micro_batches)
+                                                    row_chunks=o.micro_batches,
+                                                    group_size=self.query_group)
         self.t1_logp_fn = step_lib.make_logprob_fn(model_cfg, 1.0, chunk, sharding)
         self.ref_pass_fn = ref_lib.make_pass_fn(model_cfg, chunk, sharding)
         self.shapes_rewards = lc.beta_policy > 0 and lc.policy_kl_mode == "reward"
@@ -90,6 +92,23 @@ class Programs:
         if self.has_critic:
             self.values_fn = jax.jit(lambda c, tok, m: critic_lib.values(c, model_cfg, tok, m),
                                      compiler_options=xla_options.for_steps())
+
+    def _query_group(self) -> tuple[int, str | None]:
+        """(G, None) when the update and the reference forward run each group's
+        query once (model.share_query), else (1, why not: None when it was
+        not asked for). The query stream of a micro-batch (and of a reference
+        row chunk) has one row per query, so those queries must split evenly
+        over the data-parallel devices."""
+        cfg, G = self.cfg, self.G
+        if not cfg.model.share_query or G < 2:
+            return 1, None
+        o = cfg.optim
+        queries = self.B // o.num_minibatches // o.micro_batches
+        data = 1 if self.sharding is None else self.sharding.data_size
+        if queries % data:
+            return 1, (f"model.share_query is off for this run: a micro-batch holds {queries} "
+                       f"queries, not a multiple of the data-parallel size {data}")
+        return G, None
 
     # ------------------------------------------------------------------ state
 

@@ -138,7 +138,8 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                  critic_tx=None, *, micro_batches: int = 1, group_size: int = 1,
                  temperature: float = 1.0, chunk_size: int | None = 512,
                  sharding: Sharding | None = None, state_shardings=None,
-                 nan_injector=None, schedule=None, response_width: int | None = None):
+                 nan_injector=None, schedule=None, response_width: int | None = None,
+                 share_query: bool = False):
     """The jitted `update(state, batch, critic_batch) -> (state, metrics)`.
 
     batch: RLBatch of N rows (whole groups of `group_size`, query-major);
@@ -152,7 +153,15 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
       slots (`validate_batch(..., response_width=N)` checks it): the log-prob
       pass then scores query columns at temperature 1 and response columns at
       the sampling temperature only (`token_logprobs(response_columns=N)`).
+    share_query: with `response_width`, run each group's query through the
+      model once per micro-batch instead of once per row
+      (`token_logprobs(group_size=group_size)`): every batch's groups must
+      repeat their query (`validate_batch(..., group_size=G)` checks it).
     """
+    if share_query and response_width is None:
+        raise ValueError("build_update: share_query needs response_width (the query is the "
+                         "columns before the response).")
+    query_group = group_size if share_query else 1
     n_micro = micro_batches
     # Gradients (and their accumulator) sharded as the parameters, not left to
     # the partitioner, which may replicate them (a full float32 copy per chip).
@@ -163,7 +172,8 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
     def micro_loss(params, mb: RLBatch, shares):
         stats = token_logprobs(params, model_cfg, mb.tokens, mb.attn_mask,
                                temperature=temperature, chunk_size=chunk_size,
-                               sharding=sharding, response_columns=response_width)
+                               sharding=sharding, response_columns=response_width,
+                               group_size=query_group)
         terms, metrics = loss_terms(stats, mb, loss_cfg)
         loss = sum(shares[k] * terms[k] for k in terms)
         return loss, (terms, metrics)
@@ -255,28 +265,41 @@ def shardings_of(tree):
 
 @functools.lru_cache(maxsize=None)
 def make_logprob_fn(model_cfg: ModelConfig, temperature: float, chunk_size: int | None,
-                    sharding: Sharding | None = None, row_chunks: int = 1):
+                    sharding: Sharding | None = None, row_chunks: int = 1,
+                    group_size: int = 1):
     """Jitted (params, tokens, mask, last=None) -> logp float32[N, T-1] at
     `temperature` (the reference's response log-probs for Policy-KL).
     last (static): score only the last `last` predictions, a rollout's
     response columns; the others are 0 (see `token_logprobs`).
     row_chunks: run the rows in this many equal chunks, one after another
     (as the update runs its micro-batches), when it divides N; the numbers
-    are the same, the program's temporary memory is about 1/row_chunks."""
+    are the same, the program's temporary memory is about 1/row_chunks.
+    group_size: G > 1 when the rows are a rollout's groups of G responses
+      to one query (query-major): with `last`, each group's query runs
+      through the model once (`token_logprobs(group_size=G)`), and row
+      chunks hold whole groups."""
     def rows(params, tokens, mask, last):
+        G = group_size if last is not None else 1
         return token_logprobs(params, model_cfg, tokens, mask, temperature=temperature,
-                              chunk_size=chunk_size, sharding=sharding, last=last).logp
+                              chunk_size=chunk_size, sharding=sharding, last=last,
+                              group_size=G).logp
 
     def logprob_fn(params, tokens, mask, last=None):
         N = tokens.shape[0]
-        n = row_chunks if row_chunks > 1 and N % row_chunks == 0 else 1
+        G = group_size if last is not None else 1
+        if N % G:
+            raise ValueError(f"logprob_fn: {N} rows are not whole groups of group_size={G}.")
+        n = row_chunks if row_chunks > 1 and (N // G) % row_chunks == 0 else 1
         if n == 1:
             return rows(params, tokens, mask, last)
-        # Chunk j holds rows j, j + n, j + 2n, ...: with the rows sharded in
-        # blocks over a mesh, every device keeps its share of every chunk.
-        split = lambda x: x.reshape((N // n, n) + x.shape[1:]).swapaxes(0, 1)
+        # Chunk j holds groups j, j + n, j + 2n, ... (a group is one row when
+        # G is 1): with the rows sharded in blocks over a mesh, every device
+        # keeps its share of every chunk.
+        split = lambda x: x.reshape((N // (n * G), n, G) + x.shape[1:]).swapaxes(0, 1).reshape(
+            (n, N // n) + x.shape[1:])
         out = jax.lax.map(lambda tm: rows(params, tm[0], tm[1], last),
                           (split(tokens), split(mask)))
-        return out.swapaxes(0, 1).reshape((N,) + out.shape[2:])
+        out = out.reshape((n, N // (n * G), G) + out.shape[2:]).swapaxes(0, 1)
+        return out.reshape((N,) + out.shape[3:])
 
     return jax.jit(logprob_fn, static_argnames="last", compiler_options=xla_options.for_steps())

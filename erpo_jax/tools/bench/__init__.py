@@ -261,6 +261,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    default=["tiny", "small"])
     p.add_argument("--peer-reps", type=int, default=3, help="interleaved repetitions")
     p.add_argument("--peer-iters", type=int, default=6, help="RL iterations per process")
+    p.add_argument("--no-share-query", action="store_true",
+                   help="run every response row's query whole in our update and reference "
+                        "forward (model.share_query=false), as the peer does")
     p.add_argument("--gpu", action="store_true", help="accelerator mode (see run_gpu)")
     p.add_argument("--gpu-preset", default="qwen2.5-0.5b")
     p.add_argument("--gpu-rows", type=int, default=16)
@@ -278,7 +281,8 @@ def run(args: argparse.Namespace) -> dict:
     else:
         mode = args.mode or ("quick" if args.quick else "full")
         peer = None if args.peer is None else dict(
-            sizes=tuple(args.peer_sizes), reps=args.peer_reps, iters=args.peer_iters)
+            sizes=tuple(args.peer_sizes), reps=args.peer_reps, iters=args.peer_iters,
+            share_query=not args.no_share_query)
         res = run_bench(mode, tuple(args.sections), with_hf=not args.no_hf,
                         skip_medium_rl=args.skip_medium_rl, profile_dir=args.profile,
                         peer=peer)

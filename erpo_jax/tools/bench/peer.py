@@ -115,8 +115,9 @@ def run_peer(size: str, iters: int, script: Path, python: Path, timeout: float =
     return {"iter_s": it, "steady_s": steady(it)}
 
 
-def run_ours(size: str, iters: int, timeout: float = 1800) -> dict:
-    spec = {**CONFIGS[size], **MATCH, "name": size, "iters": iters, "mesh": (1, 1, 1)}
+def run_ours(size: str, iters: int, timeout: float = 1800, share_query: bool = True) -> dict:
+    spec = {**CONFIGS[size], **MATCH, "name": size, "iters": iters, "mesh": (1, 1, 1),
+            "share_query": share_query}
     repo = str(REPO)
     proc = subprocess.run([sys.executable, "-c", _OURS, json.dumps(spec)], capture_output=True,
                           text=True, timeout=timeout,
@@ -132,22 +133,29 @@ def run_ours(size: str, iters: int, timeout: float = 1800) -> dict:
             "breakdown_s": r["steady_breakdown_s"]}
 
 
-def update_flops(size: str) -> float:
+def update_flops(size: str, share_query: bool = True) -> float:
+    """The FLOPs the update executes on config `size`: with share_query each
+    group's query runs once (what the Trainer does by default)."""
     from erpo_jax.tools.bench import model_flops_per_step
     c = CONFIGS[size]
+    group = c["group"] if share_query else 1
     return model_flops_per_step(PRESETS[c["preset"]], c["prompts"] * c["group"],
-                                c["prompt_len"] + c["new_tokens"])
+                                c["prompt_len"] + c["new_tokens"], group, c["prompt_len"])
 
 
 def compare(sizes=("tiny", "small"), reps: int = 3, iters: int = 6, peak_flops: float | None = None,
-            paths: tuple[Path, Path] | None = None, say=print) -> dict:
-    """Interleaved repetitions of both sides per size; ratios = ours / peer per repetition."""
+            paths: tuple[Path, Path] | None = None, say=print, share_query: bool = True) -> dict:
+    """Interleaved repetitions of both sides per size; ratios = ours / peer per repetition.
+    share_query: the Trainer's model.share_query (each group's query run once
+    in the update and the reference forward; off = every row whole, as the
+    peer does)."""
     script, python = paths or default_paths()
     why = missing_peer(script, python)
     if why:
         say(f"bench --peer: {why}; running erpo-jax alone (no ratios).")
     out = {"peer": "google-tunix 0.1.7", "script": str(script), "reps": reps, "iters": iters,
-           "steady_from_iteration": STEADY_FROM, "peer_missing": why, "configs": {}}
+           "steady_from_iteration": STEADY_FROM, "peer_missing": why, "share_query": share_query,
+           "configs": {}}
     for size in sizes:
         ours, peer = [], []
         for rep in range(reps):
@@ -157,7 +165,7 @@ def compare(sizes=("tiny", "small"), reps: int = 3, iters: int = 6, peak_flops: 
                     continue
                 say(f"  {size} rep {rep + 1}/{reps}: {'erpo-jax' if side == 'ours' else 'tunix'}")
                 if side == "ours":
-                    ours.append(run_ours(size, iters))
+                    ours.append(run_ours(size, iters, share_query=share_query))
                 else:
                     peer.append(run_peer(size, iters, script, python))
         row = {**CONFIGS[size], "ours": ours, "peer": peer,
@@ -168,7 +176,7 @@ def compare(sizes=("tiny", "small"), reps: int = 3, iters: int = 6, peak_flops: 
                        ratios=ratios, ratio=statistics.median(ratios),
                        ratio_min=min(ratios), ratio_max=max(ratios))
         if peak_flops:
-            flops = update_flops(size)
+            flops = update_flops(size, share_query)
             upd = statistics.median(x["update_s"] for x in ours)
             row.update(update_flops=flops, update_s=upd, update_mfu=flops / upd / peak_flops)
         out["configs"][size] = row
@@ -178,7 +186,9 @@ def compare(sizes=("tiny", "small"), reps: int = 3, iters: int = 6, peak_flops: 
 def print_table(res: dict) -> None:
     print(f"\nRL iteration vs {res['peer']} (same configs, fresh processes, interleaved; "
           f"{res['reps']} repetitions x {res['iters']} iterations, steady = median from "
-          f"iteration {res['steady_from_iteration'] + 1})")
+          f"iteration {res['steady_from_iteration'] + 1}; erpo-jax with model.share_query="
+          f"{'on' if res.get('share_query', True) else 'off'}, update MFU on the FLOPs it "
+          "executes)")
     print(f"{'config':<8}{'erpo-jax s':>12}{'tunix s':>10}{'ratio':>8}{'range':>16}"
           f"{'update s':>10}{'update MFU':>12}")
     for size, r in res["configs"].items():

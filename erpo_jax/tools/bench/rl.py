@@ -37,7 +37,7 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
                   new_tokens: int, iters: int, micro_batches: int = 1,
                   beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
                   compile_cache: str = "off", temperature: float = 1.0, top_k: int = 0,
-                  optim: dict | None = None):
+                  optim: dict | None = None, share_query: bool = True):
     """A Trainer on a random `preset` model whose training prompts are padded to
     `prompt_len` tokens (the arithmetic task), yielded with its setup seconds:
     the RL iteration of `rl_iteration` (and of a profile of it) without its timing."""
@@ -46,7 +46,8 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
                                        OptimSection, RolloutSection, RunConfig, TrainSection)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(
-            name=f"bench-{name}", model=ModelSection(init="random", preset=preset),
+            name=f"bench-{name}", model=ModelSection(init="random", preset=preset,
+                                                      share_query=share_query),
             data=DataSection(n_train=max(64, prompts), n_test=4, max_prompt_len=prompt_len),
             rollout=RolloutSection(group_size=group, max_new_tokens=new_tokens,
                                    temperature=temperature, top_k=top_k),

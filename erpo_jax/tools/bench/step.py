@@ -38,18 +38,30 @@ def matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> dict:
 # ----------------------------------------------------------------------------- train step
 
 
-def model_flops_per_step(cfg: ModelConfig, rows: int, T: int) -> float:
+def model_flops_per_step(cfg: ModelConfig, rows: int, T: int, group: int = 1,
+                         query_width: int = 0) -> float:
     """Training FLOPs of one step over [rows, T] tokens (remat not counted):
     6 * P_mm * tokens + 12 * L * H * K * T^2 * rows, where P_mm are the
     matmul parameters (everything but the embedding table, which is a lookup;
     the LM head counts once even if tied) and the second term is the QK^T and
     PV attention matmuls over the full T x T square (our attention computes
-    it, masked), forward x1 + backward x2."""
+    it, masked), forward x1 + backward x2.
+
+    group > 1: the rows are groups of `group` responses sharing a query of
+    `query_width` columns that runs once per group (`model.share_query`):
+    tokens = rows/group * Q + rows * (T - Q), and the attention square is
+    rows/group * Q^2 (the query's) + rows * (T - Q) * T (the responses')."""
     p_mm = cfg.num_params() - cfg.vocab_size * cfg.hidden_size
     if cfg.tie_word_embeddings:
         p_mm += cfg.vocab_size * cfg.hidden_size
-    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T * T * rows
-    return 6.0 * p_mm * rows * T + attn
+    per_head = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    if group > 1:
+        if rows % group or not 0 < query_width < T:
+            raise ValueError(f"model_flops_per_step: {rows} rows in groups of {group} with a "
+                             f"query of {query_width} of {T} columns")
+        P, Q = rows // group, query_width
+        return 6.0 * p_mm * (P * Q + rows * (T - Q)) + per_head * (P * Q * Q + rows * (T - Q) * T)
+    return 6.0 * p_mm * rows * T + per_head * T * T * rows
 
 
 def _train_setup(cfg: ModelConfig, shape, seed: int = 0):
