@@ -43,6 +43,9 @@ def test_plan_compiles_every_program_of_a_tiny_run_for_v5e_4(tmp_path):
     assert names == ["rollout", "reference forward", "update", "eval greedy", "eval sampled",
                      "reference pass"]
     assert any("collectives" in n for n in rep["notes"])
+    # 4 queries per micro-batch over a data-parallel size of 4: the update
+    # and the reference forward run each group's query once on the TPU too.
+    assert rep["query_group"] == 2
     for p in rep["programs"]:
         b = p["bytes"]
         assert set(b) == {"argument", "output", "temp", "alias", "generated_code"}
@@ -78,6 +81,13 @@ def test_plan_reports_an_oversized_rollout_as_not_fitting(tmp_path):
     (p,) = rep["programs"]
     assert p["fits"] is False and p["peak_gib"] > p["limit_gib"]
     assert "The rollout does not fit" in proc.stderr and "GiB over" in proc.stderr
+
+
+def test_unknown_program_name_in_only_is_named(tmp_path):
+    proc, rep = _cli(tmp_path, *TINY, "--only", "updat")
+    assert proc.returncode != 0 and rep is None
+    assert "'updat' is no program of this run" in proc.stderr
+    assert "reference pass" in proc.stderr   # the names it could have been
 
 
 def test_topology_table_names_and_unknown_name():

@@ -191,9 +191,10 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
 
 
 def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
-         decode_step: bool = True) -> dict:
+         decode_step: bool = True, strict_only: bool = False) -> dict:
     """Compile every per-step program of `cfg` for `top`; the report (a dict).
-    only: program names to compile (default all); decode_step: also compile
+    only: program names to compile (default all; with strict_only, a name
+    that is no program of this run is an error, else skipped); decode_step: also compile
     one decode step of each sampler, for its traffic and the rollout's time
     estimate (a verdict alone does not need it).
 
@@ -207,13 +208,14 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
     jax.config.update("jax_enable_compilation_cache", False)
     cc.reset_cache()
     try:
-        return _plan(cfg, top, margin, only, say, decode_step)
+        return _plan(cfg, top, margin, only, say, decode_step, strict_only)
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
         cc.reset_cache()
 
 
-def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool) -> dict:
+def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool,
+          strict_only: bool = False) -> dict:
     from erpo_jax.runtime.distributed import plan_mesh
     from erpo_jax.model.config import PRESETS, from_hf_config
     from erpo_jax.model.hf import read_config
@@ -252,7 +254,12 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
               "query_group": progs.query_group, "programs": []}
     if progs.query_group_note:
         report["notes"].append(progs.query_group_note)
-    for prog in progs.planned():
+    planned = progs.planned()
+    unknown = sorted(set(only) - {p.name for p in planned})
+    if unknown and strict_only:
+        raise ValueError(f"erpo plan --only: {', '.join(map(repr, unknown))} is no program of "
+                         f"this run; its programs are {', '.join(p.name for p in planned)}.")
+    for prog in planned:
         if only and prog.name not in only:
             continue
         say(f"compiling {prog.name} ({prog.shapes}) for {top.name} ...")
@@ -508,7 +515,8 @@ def run(args: argparse.Namespace) -> int:
           f"{top.hbm_gib:g} GiB HBM, {top.peak_flops / 1e12:g} TFLOP/s bf16, "
           f"{top.hbm_bytes_per_s / 1e9:g} GB/s per chip ({SOURCE})", flush=True)
     only = tuple(x.strip() for x in args.only.split(",") if x.strip())
-    report = plan(cfg, top, args.margin, only=only, say=lambda s: print(s, flush=True))
+    report = plan(cfg, top, args.margin, only=only, say=lambda s: print(s, flush=True),
+                  strict_only=True)
     print("Per chip. Estimated ms: roofline max(FLOPs / peak, bytes / bandwidth), an "
           "estimate; collectives are not in it.")
     if args.suggest:
