@@ -127,10 +127,19 @@ def token_logprobs(params, cfg: ModelConfig, tokens: jax.Array, attn_mask: jax.A
             raise ValueError(f"token_logprobs: last={last} must be in [1, T-1={h.shape[1]}].")
         skip = h.shape[1] - last
         h, targets = h[:, skip:], targets[:, skip:]
-    out = _head_stats(params, cfg, h, targets, temperature, chunk_size, sharding)
-    if skip:
-        out = TokenLogprobs(*(jnp.pad(a, ((0, 0), (skip, 0))) for a in out))
-    return out
+    return _place(_head_stats(params, cfg, h, targets, temperature, chunk_size, sharding), skip)
+
+
+def _place(resp: TokenLogprobs, split: int, query_t1: jax.Array | None = None) -> TokenLogprobs:
+    """TokenLogprobs over all T-1 columns from `resp`, the statistics of the
+    columns after the first `split`: logp and entropy are 0 on those; so is
+    logp_t1 when query_t1 is None (a `last` pass), else logp_t1 is query_t1
+    [B, split] there and 0 on resp's columns (a `response_columns` pass)."""
+    pad = lambda a: jnp.pad(a, ((0, 0), (split, 0))) if split else a
+    if query_t1 is None:
+        return TokenLogprobs(*(pad(a) for a in resp))
+    return TokenLogprobs(pad(resp.logp), pad(resp.entropy),
+                         jnp.concatenate([query_t1, jnp.zeros_like(resp.logp_t1)], axis=1))
 
 
 def _split_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size, sharding,
@@ -144,14 +153,11 @@ def _split_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size, 
     split = Tm1 - response_columns
     resp = _head_stats(params, cfg, h[:, split:], targets[:, split:], temperature, chunk_size,
                        sharding)
-    zeros = lambda n: jnp.zeros((h.shape[0], n), jnp.float32)
-    if split == 0:
-        return TokenLogprobs(resp.logp, resp.entropy, zeros(Tm1))
-    query = _head_stats(params, cfg, h[:, :split], targets[:, :split], 1.0, chunk_size, sharding)
-    join = lambda a, b: jnp.concatenate([a, b], axis=1)
-    return TokenLogprobs(logp=join(zeros(split), resp.logp),
-                         entropy=join(zeros(split), resp.entropy),
-                         logp_t1=join(query.logp_t1, zeros(response_columns)))
+    query_t1 = jnp.zeros((h.shape[0], 0), jnp.float32)
+    if split:
+        query_t1 = _head_stats(params, cfg, h[:, :split], targets[:, :split], 1.0, chunk_size,
+                               sharding).logp_t1
+    return _place(resp, split, query_t1)
 
 
 def _grouped_stats(params, cfg: ModelConfig, tokens, attn_mask, temperature, chunk_size,
@@ -175,15 +181,13 @@ def _grouped_stats(params, cfg: ModelConfig, tokens, attn_mask, temperature, chu
     # is a response column whose hidden state is the group's.
     h_resp = jnp.concatenate([jnp.repeat(hq[:, -1:], G, axis=0), hr[:, :-1]], axis=1)
     resp = _head_stats(params, cfg, h_resp, tokens[:, Q:], temperature, chunk_size, sharding)
-    zeros = lambda n: jnp.zeros((B, n), jnp.float32)
-    pad = lambda a: jnp.concatenate([zeros(Q - 1), a], axis=1)
-    if last is not None or Q == 1:
-        return TokenLogprobs(*(pad(a) for a in resp[:2]),
-                             pad(resp.logp_t1) if last is not None else zeros(T - 1))
-    query = _head_stats(params, cfg, hq[:, :-1], tokens[::G, 1:Q], 1.0, chunk_size, sharding)
-    logp_q = jnp.repeat(query.logp_t1, G, axis=0)
-    return TokenLogprobs(logp=pad(resp.logp), entropy=pad(resp.entropy),
-                         logp_t1=jnp.concatenate([logp_q, zeros(N)], axis=1))
+    if last is not None:
+        return _place(resp, Q - 1)
+    query_t1 = jnp.zeros((B, 0), jnp.float32)
+    if Q > 1:   # the query's own columns, scored once per group
+        query = _head_stats(params, cfg, hq[:, :-1], tokens[::G, 1:Q], 1.0, chunk_size, sharding)
+        query_t1 = jnp.repeat(query.logp_t1, G, axis=0)
+    return _place(resp, Q - 1, query_t1)
 
 
 def _head_stats(params, cfg: ModelConfig, h, targets, temperature, chunk_size,

@@ -504,10 +504,8 @@ def hidden_states_grouped(params, cfg: ModelConfig, tokens, attn_mask, *, group_
                          f"group_size={G}.")
     if not 0 < Q < T:
         raise ValueError(f"hidden_states_grouped: query_width={Q} must be in [1, T-1={T - 1}].")
-    if attn_mask is None:
-        attn_mask = jnp.ones(tokens.shape, bool)
+    positions, attn_mask = _defaults(tokens, None, attn_mask)
     mask = attn_mask.astype(bool)
-    positions = positions_from_mask(mask)
     first = lambda a: a[::G, :Q]
     xq, cos_q, sin_q, bias_q, _ = _layer_inputs(params["embed"], cfg, sharding, first(tokens),
                                                 first(positions), first(mask), None)

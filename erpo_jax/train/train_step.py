@@ -278,8 +278,7 @@ def make_logprob_fn(model_cfg: ModelConfig, temperature: float, chunk_size: int 
       to one query (query-major): with `last`, each group's query runs
       through the model once (`token_logprobs(group_size=G)`), and row
       chunks hold whole groups."""
-    def rows(params, tokens, mask, last):
-        G = group_size if last is not None else 1
+    def rows(params, tokens, mask, last, G):
         return token_logprobs(params, model_cfg, tokens, mask, temperature=temperature,
                               chunk_size=chunk_size, sharding=sharding, last=last,
                               group_size=G).logp
@@ -291,13 +290,13 @@ def make_logprob_fn(model_cfg: ModelConfig, temperature: float, chunk_size: int 
             raise ValueError(f"logprob_fn: {N} rows are not whole groups of group_size={G}.")
         n = row_chunks if row_chunks > 1 and (N // G) % row_chunks == 0 else 1
         if n == 1:
-            return rows(params, tokens, mask, last)
+            return rows(params, tokens, mask, last, G)
         # Chunk j holds groups j, j + n, j + 2n, ... (a group is one row when
         # G is 1): with the rows sharded in blocks over a mesh, every device
         # keeps its share of every chunk.
         split = lambda x: x.reshape((N // (n * G), n, G) + x.shape[1:]).swapaxes(0, 1).reshape(
             (n, N // n) + x.shape[1:])
-        out = jax.lax.map(lambda tm: rows(params, tm[0], tm[1], last),
+        out = jax.lax.map(lambda tm: rows(params, tm[0], tm[1], last, G),
                           (split(tokens), split(mask)))
         out = out.reshape((n, N // (n * G), G) + out.shape[2:]).swapaxes(0, 1)
         return out.reshape((N,) + out.shape[3:])
