@@ -48,6 +48,7 @@ BAD_INPUTS = [
     ("mesh.shape=1,8", "mesh.shape"),
     ("train.eval_temperature=0", "train.eval_temperature"),
     ("rollout.top_k=-1", "rollout.top_k"),
+    ("rollout.cache_phases=0", "rollout.cache_phases"),
     ("optim.lr=inf", "optim.lr"),
     ("optim.lr=nan", "optim.lr"),
     ("loss.beta_query=nan", "loss.beta_query"),

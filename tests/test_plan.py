@@ -67,6 +67,32 @@ def test_plan_compiles_every_program_of_a_tiny_run_for_v5e_4(tmp_path):
     assert step["minimum_bytes"] == step["weights_bytes"] + step["kv_cache_bytes"]
 
 
+def test_plan_costs_each_cache_phase_of_the_rollout(tmp_path):
+    """128 + 300 tokens: the decode loop runs in three cache phases (256, 384
+    and 427 slots on the TPU, whose lengths are multiples of 128). The plan
+    compiles a decode step for each: a step on a shorter cache reads less,
+    and the rollout's bytes (every row to max_new_tokens) come out below the
+    same rollout with one phase on the whole cache."""
+    long = [a for a in TINY if not a.startswith(("data.max_prompt_len",
+                                                 "rollout.max_new_tokens"))]
+    long += ["data.max_prompt_len=128", "rollout.max_new_tokens=300"]
+    proc, rep = _cli(tmp_path, *long, "--only", "rollout")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (p,) = rep["programs"]
+    phases = p["decode_phases"]
+    assert [(q["cache_length"], q["steps"]) for q in phases] == [(256, 128), (384, 128), (427, 43)]
+    reads = [q["bytes_accessed"] for q in phases]
+    assert reads == sorted(reads) and reads[0] < reads[-1] == p["decode_step"]["bytes_accessed"]
+    assert reads[0] < p["decode_step"]["mean_bytes_accessed"] < reads[-1]
+    assert "over its 3 cache phases" in proc.stdout
+    proc1, rep1 = _cli(tmp_path, *long, "rollout.cache_phases=1", "--only", "rollout")
+    assert proc1.returncode == 0, proc1.stderr[-2000:]
+    (p1,) = rep1["programs"]
+    assert [q["cache_length"] for q in p1["decode_phases"]] == [427]
+    assert p1["decode_step"]["bytes_accessed"] == reads[-1]
+    assert p["bytes_accessed"] < p1["bytes_accessed"]
+
+
 def test_plan_reports_an_oversized_rollout_as_not_fitting(tmp_path):
     """32768 rows x 4095 cache slots of a float32 KV cache: 16 GiB per chip of
     cache alone, more than a v5e chip's 16 GiB less the margin (the TPU

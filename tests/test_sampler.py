@@ -17,8 +17,9 @@ from erpo_jax.model.hf import load_hf
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding, make_mesh
 from erpo_jax.rollout.decode import decode_responses, response_lengths, truncate_responses
-from erpo_jax.rollout.sampler import (Sampler, SamplingConfig, bucket_length, kth_largest,
-                                      rollout_key, truncate_logits)
+from erpo_jax.rollout.sampler import (MIN_PHASE_TOKENS, Sampler, SamplingConfig, bucket_length,
+                                      cache_phase_lengths, kth_largest, rollout_key,
+                                      truncate_logits)
 from hf_models import build_tiny_hf
 
 CFG = ModelConfig()  # the tiny preset: vocab 256, 2 layers
@@ -424,6 +425,72 @@ def test_errors(params):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         Sampler(CFG, SamplingConfig(max_new_tokens=100, max_prompt_len=4096))
     assert sampler.num_traces == 0
+
+
+# ----------------------------------------------------------------------------- cache phases
+
+
+def test_cache_phase_lengths():
+    for P, N, phases, platform in [(64, 128, 4, "cpu"), (1024, 3072, 4, "tpu"), (8, 70, 4, "cpu"),
+                                   (16, 50, 8, "cpu"), (5, 33, 2, "gpu")]:
+        lengths = cache_phase_lengths(P, N, phases, platform)
+        S, align = P + N - 1, 8 if platform == "cpu" else 128
+        assert lengths[-1] == S and list(lengths) == sorted(set(lengths)) and lengths[0] > P
+        assert len(lengths) <= min(phases, (N - 1) // MIN_PHASE_TOKENS)
+        assert all(L % align == 0 for L in lengths[:-1])
+    assert cache_phase_lengths(64, 128, 4, "cpu") == (96, 128, 160, 191)
+    assert cache_phase_lengths(1024, 3072, 4, "tpu") == (1792, 2560, 3328, 4095)
+    # One phase, or too few new tokens for more: the whole cache from the start.
+    assert cache_phase_lengths(64, 128, 1, "cpu") == (191,)
+    assert cache_phase_lengths(32, 32, 4, "cpu") == (63,)
+    assert cache_phase_lengths(8, 1, 4, "cpu") == (8,)
+    with pytest.raises(ValueError, match="cache_phases must be >= 1"):
+        SamplingConfig(cache_phases=0)
+
+
+PHASED = SamplingConfig(max_new_tokens=70, num_samples=4, temperature=0.8, top_k=20,
+                        eos_ids=tuple(range(2, CFG.vocab_size, 32)), min_new_tokens=10,
+                        max_prompt_len=16, cache_phases=4)
+
+
+@pytest.fixture(scope="module")
+def phased_out(sharp_params, main_prompts):
+    assert len(cache_phase_lengths(8, PHASED.max_new_tokens, PHASED.cache_phases, "cpu")) == 4
+    return Sampler(CFG, PHASED)(sharp_params, main_prompts, SEED)
+
+
+def test_cache_phases_equal_one_phase_and_the_recompute(sharp_params, main_prompts, phased_out):
+    """Four phases of cache growth draw what one loop over the whole cache
+    draws, with the log-probs of the teacher-forced recompute; rows end in
+    three of the four phases, some run to the end."""
+    out = phased_out
+    whole = Sampler(CFG, dataclasses.replace(PHASED, cache_phases=1))(sharp_params, main_prompts,
+                                                                       SEED)
+    np.testing.assert_array_equal(out.response_tokens, whole.response_tokens)
+    np.testing.assert_array_equal(out.lengths, whole.lengths)
+    np.testing.assert_allclose(out.logp, whole.logp, atol=1e-5, rtol=0)
+    P = out.prompt_tokens.shape[1]
+    stops = [L - P + 1 for L in cache_phase_lengths(P, PHASED.max_new_tokens, 4, "cpu")]
+    assert len(set(np.searchsorted(stops, out.lengths).tolist())) >= 3
+    assert out.truncated.any() and not out.truncated.all()
+    tokens, mask = _full_sequences(out)
+    N = PHASED.max_new_tokens
+    ref = jax.jit(token_logprobs, static_argnums=(1,), static_argnames=("temperature",))(
+        sharp_params, CFG, tokens, mask, temperature=PHASED.temperature).logp
+    m = out.response_mask
+    np.testing.assert_allclose(out.logp[m], np.asarray(ref)[:, P - 1:P - 1 + N][m], atol=1e-5)
+    # Every row done inside the first phase: the later loops run no step.
+    early = Sampler(CFG, dataclasses.replace(PHASED, min_new_tokens=0, eos_ids=tuple(
+        range(2, CFG.vocab_size))))(sharp_params, main_prompts, SEED)
+    assert int(early.num_steps) == 1 and np.all(early.lengths == 1)
+
+
+def test_cache_phases_sharded_equal_unsharded(sharp_params, main_prompts, phased_out):
+    sharding = Sharding(make_mesh((2, 2, 2)))
+    params = jax.device_put(sharp_params, model_lib.param_shardings(CFG, sharding))
+    multi = Sampler(CFG, PHASED, sharding)(params, main_prompts, SEED)
+    np.testing.assert_array_equal(multi.response_tokens, phased_out.response_tokens)
+    np.testing.assert_allclose(multi.logp, phased_out.logp, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- decode

@@ -9,9 +9,11 @@ One jitted function (`make_sample_fn`) does everything on device:
 1. prefill the B left-padded prompts in one forward pass into a KV cache;
 2. repeat the cache and the last-position logits to R rows, so the G samples
    of a prompt share its prefill;
-3. sample token 0 from those logits, then a `lax.while_loop` of one-token
-   decode steps that stops when every row has emitted an EOS id or N tokens
-   exist.
+3. sample token 0 from those logits, then `lax.while_loop`s of one-token
+   decode steps that stop when every row has emitted an EOS id or N tokens
+   exist: one loop per phase of the cache's growth (`cache_phase_lengths`),
+   each on a cache just long enough for its steps, so the attention of a
+   step reads about the filled slots rather than all S.
 
 The log-probability convention. `Rollout.logp[r, t]` is log softmax(logits /
 temperature)[token], i.e. under the temperature-scaled distribution BEFORE
@@ -96,6 +98,15 @@ class SamplingConfig:
       pad_id: fills prompt padding (left) and response padding (right).
       max_prompt_len: longest accepted prompt; the top length bucket.
       min_bucket: shortest prompt bucket.
+      cache_phases: the decode loop runs in up to this many phases on a KV
+        cache that grows between them (`cache_phase_lengths`), so a step's
+        attention reads about the filled slots, not all of them. Measured on
+        the CPU (2 cores, random weights, top-k 50, no EOS), one phase against
+        four: peer-small 16 x 8 rows, 64 + 128 tokens, 5.87 -> 5.05 s;
+        medium-25m 16 x 8, 64 + 256, 33.4 -> 30.5 s. Each phase compiles the
+        decode step once more. Logits and log-probs agree with one phase to
+        float rounding (the softmax sums run over fewer masked slots), so a
+        draw differs only where rounding moves it across a token boundary.
     """
 
     max_new_tokens: int = 32
@@ -110,6 +121,7 @@ class SamplingConfig:
     pad_id: int = 0
     max_prompt_len: int = 512
     min_bucket: int = 8
+    cache_phases: int = 4
 
     def __post_init__(self):
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
@@ -130,6 +142,8 @@ class SamplingConfig:
         if self.method not in ("inverse_cdf", "gumbel"):
             raise ValueError(f"SamplingConfig.method is {self.method!r}; use 'inverse_cdf' or "
                              "'gumbel'.")
+        if self.cache_phases < 1:
+            raise ValueError(f"SamplingConfig.cache_phases must be >= 1, got {self.cache_phases}.")
         if self.max_prompt_len < 1 or self.min_bucket < 1:
             raise ValueError("SamplingConfig.max_prompt_len and min_bucket must be >= 1, got "
                              f"{self.max_prompt_len} and {self.min_bucket}.")
@@ -449,7 +463,7 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     """
     B, P = prompt_tokens.shape
     G, N = sc.num_samples, sc.max_new_tokens
-    R, S = B * G, P + N - 1
+    R = B * G
     if sharding is not None and B % sharding.data_size:
         raise ValueError(f"sample_rollout: {B} prompts are not divisible by the data-parallel "
                          f"size {sharding.data_size}; pad the batch (Sampler does).")
@@ -463,8 +477,13 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     params = model_lib.unstack_layers(model_lib.in_compute_dtype(params, cfg))
     head = decode_head(params, cfg, sharding)
 
+    # The cache grows in phases (`cache_phase_lengths`): each phase's decode
+    # loop runs on a cache just long enough for its steps, so a step's
+    # attention streams about the filled slots rather than all S of them.
+    lengths = cache_phase_lengths(P, N, sc.cache_phases, platform_of(sharding))
+
     # Prefill the B prompts once; only the last position's logits are needed.
-    cache = model_lib.init_cache(cfg, B, S)
+    cache = model_lib.init_cache(cfg, B, lengths[0])
     h, cache = model_lib.hidden_states(params, cfg, prompt_tokens,
                                        model_lib.positions_from_mask(prompt_mask), prompt_mask,
                                        cache=cache, sharding=sharding)
@@ -496,11 +515,14 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     )
     state = _record(state, logits, sc, platform_of(sharding))
 
-    def cond(s: SamplerState):
-        return (s.step < N) & ~jnp.all(s.done)
-
-    state = jax.lax.while_loop(cond, lambda s: decode_step(params, s, cfg, sc, sharding, head),
-                               state)
+    body = lambda s: decode_step(params, s, cfg, sc, sharding, head)
+    for j, L in enumerate(lengths):
+        if j:
+            state = dataclasses.replace(state, cache=_grow_cache(state.cache, L, constrain))
+        # Step s feeds token s - 1 into slot P + s - 1: this phase runs the
+        # steps whose slot is below L.
+        stop = min(N, L - P + 1)
+        state = jax.lax.while_loop(lambda s: (s.step < stop) & ~jnp.all(s.done), body, state)
 
     response_mask = jnp.arange(N)[None, :] < state.lengths[:, None]
     return Rollout(
@@ -513,6 +535,46 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
         truncated=~state.done,
         num_steps=state.step,
     )
+
+
+MIN_PHASE_TOKENS = 16
+
+
+def cache_phase_lengths(P: int, N: int, phases: int, platform: str = "") -> tuple[int, ...]:
+    """The KV-cache lengths of the decode loop's phases for P prompt slots
+    and N new tokens: at most `phases` lengths, increasing, the last
+    S = P + N - 1. A phase feeds at least MIN_PHASE_TOKENS tokens (below that
+    the saved reads do not pay for the extra compilation: peer-tiny's 32 new
+    tokens decoded no faster in four phases and compiled in 1.7x the time).
+    The N - 1 fed tokens are split evenly between the phases,
+    each length rounded up to a multiple of 8 on the CPU, 128 elsewhere (the
+    keys' slot axis is the vector lane axis). One phase: one loop on the whole
+    cache. More phases read less of the cache (with n phases a step reads on
+    average about P + (N / 2)(1 + 1 / n) slots, against S), and compile the
+    decode step n times."""
+    S = P + N - 1
+    if phases < 1:
+        raise ValueError(f"SamplingConfig.cache_phases must be >= 1, got {phases}.")
+    phases = max(1, min(phases, (N - 1) // MIN_PHASE_TOKENS))
+    align = 8 if (platform or jax.default_backend()) == "cpu" else 128
+    out: list[int] = []
+    for j in range(1, phases + 1):
+        L = min(S, -(-(P + -(-j * (N - 1) // phases)) // align) * align)
+        if not out or L > out[-1]:
+            out.append(L)
+    return tuple(out)
+
+
+def _grow_cache(cache: model_lib.KVCache, length: int, constrain) -> model_lib.KVCache:
+    """The cache with its slot axis padded to `length` (empty, invalid slots)."""
+    def pad(a, axes):
+        axis = axes.index("cache_length")
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, length - a.shape[axis])
+        return constrain(jnp.pad(a, widths), axes)
+
+    cache = cache.map_kv(pad)
+    return cache._replace(valid=pad(cache.valid, ("rows", "cache_length")))
 
 
 def rollout_shardings(sharding: Sharding) -> Rollout:
@@ -635,17 +697,33 @@ class Sampler:
         key = jax.eval_shape(lambda: jax.random.key(0))
         return self._fn.lower(params, abstract(jnp.int32), abstract(jnp.bool_), key)
 
-    def lower_decode_step(self, params, num_prompts: int, longest_prompt: int):
+    def cache_phases(self, num_prompts: int, longest_prompt: int) -> list[tuple[int, int]]:
+        """(cache length, decode steps run on it) of each phase of the decode
+        loop at the shapes of `lower`, when every row runs to max_new_tokens
+        (the N - 1 steps after token 0; see `cache_phase_lengths`)."""
+        _, P = self.batch_shape(num_prompts, longest_prompt)
+        sc = self.sampling
+        out, start = [], 1
+        for L in cache_phase_lengths(P, sc.max_new_tokens, sc.cache_phases,
+                                     platform_of(self.sharding)):
+            stop = min(sc.max_new_tokens, L - P + 1)
+            out.append((L, stop - start))
+            start = stop
+        return out
+
+    def lower_decode_step(self, params, num_prompts: int, longest_prompt: int,
+                          cache_length: int | None = None):
         """One step of the decode loop (`decode_step`) lowered for the shapes of
         `lower`, with what the loop gives it: the compute-dtype per-layer
         weights and the head of `sample_rollout`, the carry in its shardings
         and donated, the KV cache in layouts of the compiler's choice (params:
-        ShapeDtypeStructs with NamedShardings). For `erpo plan`, whose cost
-        analysis counts a loop body once."""
+        ShapeDtypeStructs with NamedShardings). cache_length: the cache's slots
+        (a phase's length, `cache_phases`; default the whole P + N - 1). For
+        `erpo plan`, whose cost analysis counts a loop body once."""
         B, P = self.batch_shape(num_prompts, longest_prompt)
         sc, cfg, sh = self.sampling, self.cfg, self.sharding
         G, N = sc.num_samples, sc.max_new_tokens
-        R, S = B * G, P + N - 1
+        R, S = B * G, cache_length or P + N - 1
 
         def put(shape, dtype, logical):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sh.named(logical))

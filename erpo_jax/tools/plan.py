@@ -20,9 +20,11 @@ a roofline time estimate max(FLOPs / peak FLOP/s, bytes / HBM bandwidth).
 XLA's cost analysis counts the body of every loop once: the decode loop, the
 layer scan, the micro-batch scan, the LM-head chunks. So the estimates are
 built as follows, and labelled as estimates:
-- rollout: the program's numbers plus (max_new_tokens - 1) more decode steps,
-  each costed by compiling one decode step (`Sampler.lower_decode_step`);
-  every row is assumed to run to max_new_tokens (an upper bound);
+- rollout: the program's numbers plus the max_new_tokens - 1 decode steps,
+  each phase's steps costed by compiling one decode step on that phase's
+  cache (`Sampler.cache_phases`, `Sampler.lower_decode_step`); every row is
+  assumed to run to max_new_tokens (an upper bound, as is counting each
+  loop's body in the program's numbers too);
 - update, reference forward, reference pass (layer scans): FLOPs are the
   model FLOPs from the shapes (`bench.model_flops_per_step`: 6 (2 forward-only)
   x matmul parameters x tokens + attention, plus one forward more with
@@ -274,11 +276,23 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
             sampler = {"rollout": progs.sampler, "eval greedy": progs.eval_greedy,
                        "eval sampled": progs.eval_sampled}[prog.name]
             per_call = r.max_prompts_per_call or cfg.train.batch_size
-            step = _measure(sampler.lower_decode_step(progs.abstract_params(), per_call,
-                                                      cfg.data.max_prompt_len), top, margin)
+            call = (per_call, cfg.data.max_prompt_len)
+            phases = []
+            for L, n in sampler.cache_phases(*call):
+                step = _measure(sampler.lower_decode_step(progs.abstract_params(), *call,
+                                                          cache_length=L), top, margin)
+                phases.append({"cache_length": L, "steps": n, "flops": step["xla_flops"],
+                               "bytes_accessed": step["xla_bytes_accessed"],
+                               "peak_gib": step["peak_gib"], "compile_s": step["compile_s"]})
+            # The last phase's step is on the whole cache: the worst step.
             row["decode_step"] = _decode_traffic(step, progs, prog.rows, model_cfg, mesh)
-            row["flops"] = row["xla_flops"] + (N - 1) * step["xla_flops"]
-            row["bytes_accessed"] = row["xla_bytes_accessed"] + (N - 1) * step["xla_bytes_accessed"]
+            row["decode_phases"] = phases
+            steps = sum(p["steps"] for p in phases)
+            row["decode_step"]["mean_bytes_accessed"] = sum(
+                p["steps"] * p["bytes_accessed"] for p in phases) / max(1, steps)
+            row["flops"] = row["xla_flops"] + sum(p["steps"] * p["flops"] for p in phases)
+            row["bytes_accessed"] = row["xla_bytes_accessed"] + sum(
+                p["steps"] * p["bytes_accessed"] for p in phases)
         else:
             train = prog.name == "update"
             T = prog.tokens // prog.rows
@@ -366,6 +380,11 @@ def _line(p: dict) -> str:
         s += (f"\n  {'':<18} one decode step reads {d['bytes_accessed'] / GIB:.2f} GiB vs "
               f"{d['minimum_bytes'] / GIB:.2f} GiB minimum (weights + KV cache once): "
               f"{d['ratio']:.2f}x")
+        phases = p.get("decode_phases", [])
+        if len(phases) > 1:
+            s += (f"\n  {'':<18} on the whole cache; over its {len(phases)} cache phases ("
+                  + ", ".join(f"{q['steps']} steps on {q['cache_length']} slots" for q in phases)
+                  + f") a step reads {d['mean_bytes_accessed'] / GIB:.2f} GiB on average")
     return s
 
 

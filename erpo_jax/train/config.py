@@ -120,6 +120,11 @@ class RolloutSection:
     # Prompts per sampler call (0: the whole batch at once). Bounds the KV cache
     # to max_prompts_per_call * group_size rows; evaluation uses it too.
     max_prompts_per_call: int = 0
+    # The decode loop's KV cache grows in up to this many phases, so a decode
+    # step's attention reads about the filled slots instead of the whole cache
+    # (rollout.sampler.cache_phase_lengths); each phase compiles the decode
+    # step once more. 1 = one loop over the whole cache.
+    cache_phases: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +257,9 @@ def _validate_ranges(cfg: RunConfig) -> None:
     _check_numbers(cfg)
     if r.top_k < 0:
         _fail("rollout.top_k", f"must be >= 0 (0 = no top-k), got {r.top_k}.")
+    if r.cache_phases < 1:
+        _fail("rollout.cache_phases", f"must be >= 1 (1 = the whole cache from the start), "
+              f"got {r.cache_phases}.")
     if not t.eval_temperature > 0:
         _fail("train.eval_temperature", f"must be > 0, got {t.eval_temperature}.")
     for name, v in (("optim.b1", o.b1), ("optim.b2", o.b2)):

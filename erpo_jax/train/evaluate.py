@@ -34,7 +34,7 @@ def eval_samplers(model_cfg: ModelConfig, cfg: RunConfig, eos_ids, pad_id: int,
     """(greedy sampler, sampled sampler or None when train.eval_n == 1) of the evaluation."""
     t, r = cfg.train, cfg.rollout
     common = dict(max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids), pad_id=pad_id,
-                  max_prompt_len=cfg.data.max_prompt_len)
+                  max_prompt_len=cfg.data.max_prompt_len, cache_phases=r.cache_phases)
     greedy = Sampler(model_cfg, SamplingConfig(num_samples=1, greedy=True, **common), sharding)
     sampled = None
     if t.eval_n > 1:

@@ -157,7 +157,8 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
         sampler = Sampler(model_cfg, SamplingConfig(
             max_new_tokens=r.max_new_tokens, num_samples=G, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, eos_ids=tok.eos_ids, min_new_tokens=r.min_new_tokens,
-            pad_id=tok.pad_id, max_prompt_len=cfg.data.max_prompt_len), sharding)
+            pad_id=tok.pad_id, max_prompt_len=cfg.data.max_prompt_len,
+            cache_phases=r.cache_phases), sharding)
         key = rollout_key(jax.random.fold_in(jax.random.key(t.seed), 1), step)
         ro = sample(sampler, params, prompts, key, r.max_prompts_per_call)
         texts = tok.decode_responses(ro.response_tokens, ro.response_mask)

@@ -78,7 +78,8 @@ class Programs:
         self.sampler = Sampler(model_cfg, SamplingConfig(
             max_new_tokens=r.max_new_tokens, num_samples=self.G, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
-            min_new_tokens=r.min_new_tokens, max_prompt_len=cfg.data.max_prompt_len), sharding)
+            min_new_tokens=r.min_new_tokens, max_prompt_len=cfg.data.max_prompt_len,
+            cache_phases=r.cache_phases), sharding)
         self.eval_greedy, self.eval_sampled = eval_samplers(model_cfg, cfg, eos_ids, pad_id,
                                                             sharding)
         self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding,
