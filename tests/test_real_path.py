@@ -197,7 +197,7 @@ def test_sft_answers_in_boxed_and_exported_policy_matches_transformers(real_path
         tok, _, prompts = _templated_prompts(model_dir, [p["question"] for p in problems])
         model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
         ours = load_tokenizer(model_dir)
-        n_new, T = 32, max(len(p) for p in prompts)
+        n_new, T = 64, max(len(p) for p in prompts)   # the decode loop in cache phases
         ids = torch.full((len(prompts), T), ours.pad_id)
         mask = torch.zeros((len(prompts), T), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -210,6 +210,7 @@ def test_sft_answers_in_boxed_and_exported_policy_matches_transformers(real_path
         sampler = Sampler(cfg, SamplingConfig(max_new_tokens=n_new, greedy=True,
                                               eos_ids=ours.eos_ids, pad_id=ours.pad_id,
                                               max_prompt_len=128))
+        assert len(sampler.cache_phases(len(prompts), T)) > 1
         import jax
         out = sampler(params, prompts, jax.random.key(0))
         np.testing.assert_array_equal(np.asarray(out.response_tokens), ref, err_msg=which)

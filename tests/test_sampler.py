@@ -79,7 +79,7 @@ def test_greedy_matches_transformers_generate(kind, tmp_path):
     cfg, params = load_hf(tmp_path)
     assert cfg.family == kind
     prompts = _prompts(np.random.default_rng(3), (5, 11, 2, 8), cfg.vocab_size)
-    n_new, pad = 32, 0
+    n_new, pad = 64, 0     # three cache phases (`cache_phase_lengths`)
     # An EOS id that greedy decoding emits mid-way through a row, and not
     # earlier in that row, so that stopping and padding are compared too.
     free = _hf_greedy(model, prompts, n_new, pad, eos_id=None)
@@ -89,6 +89,7 @@ def test_greedy_matches_transformers_generate(kind, tmp_path):
 
     sampler = Sampler(cfg, SamplingConfig(max_new_tokens=n_new, greedy=True, eos_ids=(eos,),
                                           pad_id=pad, max_prompt_len=32))
+    assert len(sampler.cache_phases(len(prompts), 11)) == 3
     out = sampler(params, prompts, SEED)
     np.testing.assert_array_equal(out.response_tokens, ref)
     stopped = np.isin(ref, [eos]).any(axis=1)
