@@ -519,9 +519,7 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     for j, L in enumerate(lengths):
         if j:
             state = dataclasses.replace(state, cache=_grow_cache(state.cache, L, constrain))
-        # Step s feeds token s - 1 into slot P + s - 1: this phase runs the
-        # steps whose slot is below L.
-        stop = min(N, L - P + 1)
+        stop = _phase_stop(L, P, N)
         state = jax.lax.while_loop(lambda s: (s.step < stop) & ~jnp.all(s.done), body, state)
 
     response_mask = jnp.arange(N)[None, :] < state.lengths[:, None]
@@ -563,6 +561,13 @@ def cache_phase_lengths(P: int, N: int, phases: int, platform: str = "") -> tupl
         if not out or L > out[-1]:
             out.append(L)
     return tuple(out)
+
+
+def _phase_stop(L: int, P: int, N: int) -> int:
+    """The first decode step a phase with a cache of L slots cannot run: step
+    s feeds token s - 1 into slot P + s - 1, so the phase runs the steps whose
+    slot is below L (and none past N - 1)."""
+    return min(N, L - P + 1)
 
 
 def _grow_cache(cache: model_lib.KVCache, length: int, constrain) -> model_lib.KVCache:
@@ -706,7 +711,7 @@ class Sampler:
         out, start = [], 1
         for L in cache_phase_lengths(P, sc.max_new_tokens, sc.cache_phases,
                                      platform_of(self.sharding)):
-            stop = min(sc.max_new_tokens, L - P + 1)
+            stop = _phase_stop(L, P, sc.max_new_tokens)
             out.append((L, stop - start))
             start = stop
         return out

@@ -53,6 +53,17 @@ def _abstract(x, sharding=None):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
+def rollout_sampling(cfg: RunConfig, eos_ids: Sequence[int], pad_id: int) -> SamplingConfig:
+    """How a run of `cfg` samples its training rollouts (the Trainer's sampler,
+    and `erpo inspect-grads`, which must draw the same groups)."""
+    r = cfg.rollout
+    return SamplingConfig(
+        max_new_tokens=r.max_new_tokens, num_samples=r.group_size, temperature=r.temperature,
+        top_p=r.top_p, top_k=r.top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
+        min_new_tokens=r.min_new_tokens, max_prompt_len=cfg.data.max_prompt_len,
+        cache_phases=r.cache_phases)
+
+
 class Programs:
     """Every jitted program of an RL run of `cfg` (see the module docstring)."""
 
@@ -75,11 +86,7 @@ class Programs:
             group_size=self.G, temperature=r.temperature, chunk_size=chunk, sharding=sharding,
             state_shardings=self.state_shardings, schedule=self.schedule,
             response_width=r.max_new_tokens, share_query=self.query_group > 1)
-        self.sampler = Sampler(model_cfg, SamplingConfig(
-            max_new_tokens=r.max_new_tokens, num_samples=self.G, temperature=r.temperature,
-            top_p=r.top_p, top_k=r.top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
-            min_new_tokens=r.min_new_tokens, max_prompt_len=cfg.data.max_prompt_len,
-            cache_phases=r.cache_phases), sharding)
+        self.sampler = Sampler(model_cfg, rollout_sampling(cfg, eos_ids, pad_id), sharding)
         self.eval_greedy, self.eval_sampled = eval_samplers(model_cfg, cfg, eos_ids, pad_id,
                                                             sharding)
         self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding,
