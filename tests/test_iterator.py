@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from erpo_jax.data.iterator import QueryBatchIterator
+from erpo_jax.data.iterator import LEGACY_ORDER, ORDER, QueryBatchIterator
 
 N, B = 103, 8  # 12 full batches per epoch, 7 indices dropped each epoch
 
@@ -66,3 +66,29 @@ def test_config_errors_name_the_problem():
         QueryBatchIterator(4, B, seed=0)
     with pytest.raises(ValueError, match="process_index 2"):
         QueryBatchIterator(N, B, seed=0, process_index=2, process_count=2)
+
+
+# Batches 0, 13 and 25 of QueryBatchIterator(103, 8, seed=11) as the iterator
+# made them before it drew its own epoch permutations (commit b97bbd6, grain's
+# index shuffle): a checkpoint saved then must resume in the same order.
+GRAIN_ORDER_BATCHES = {0: [62, 99, 94, 87, 9, 50, 61, 16],
+                       13: [64, 63, 65, 34, 37, 31, 81, 16],
+                       25: [98, 1, 65, 77, 8, 88, 6, 0]}
+
+
+def test_a_state_saved_before_the_order_field_resumes_in_grains_order():
+    it = QueryBatchIterator(N, B, seed=11)
+    assert it.get_state()["order"] == ORDER
+    new = {s: it.batch_at(s).tolist() for s in GRAIN_ORDER_BATCHES}
+    assert new != GRAIN_ORDER_BATCHES   # the default order is another one
+    old_state = {"step": 13, "seed": 11, "num_examples": N, "global_batch_size": B}
+    it.set_state(old_state)
+    assert it.order == LEGACY_ORDER and it.get_state()["order"] == LEGACY_ORDER
+    assert {s: it.batch_at(s).tolist() for s in GRAIN_ORDER_BATCHES} == GRAIN_ORDER_BATCHES
+    assert next(it).tolist() == GRAIN_ORDER_BATCHES[13] and it.step == 14
+
+
+def test_an_unknown_order_is_refused_by_name():
+    state = {**QueryBatchIterator(N, B, seed=1).get_state(), "order": "fisher-yates-v9"}
+    with pytest.raises(ValueError, match="order='fisher-yates-v9'"):
+        QueryBatchIterator(N, B, seed=1).set_state(state)

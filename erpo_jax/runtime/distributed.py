@@ -427,13 +427,19 @@ def global_batch(local: Any, sharding: NamedSharding | Any, global_batch_size: i
 def to_host(tree: Any) -> Any:
     """numpy copies of every array leaf. Arrays spread over several processes
     are gathered, so every process gets the whole global value."""
-    def one(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable \
-                and not x.is_fully_replicated:
-            from jax.experimental import multihost_utils
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x) if isinstance(x, (jax.Array, np.ndarray)) else x
-    return jax.tree_util.tree_map(one, tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    local = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.is_fully_addressable]
+    # The local arrays in one device_get: their copies start together.
+    for i, v in zip(local, jax.device_get([leaves[i] for i in local])):
+        leaves[i] = np.asarray(v)
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.is_fully_replicated:
+                leaves[i] = np.asarray(x)
+            else:
+                from jax.experimental import multihost_utils
+                leaves[i] = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def broadcast_from_primary(tree: Any) -> Any:

@@ -68,6 +68,17 @@ def _put(x, sharding: Sharding | None, logical=("batch", None)):
     return jax.device_put(np.asarray(x), sharding.named(logical[:np.ndim(x)]))
 
 
+def _put_rows(tree, rows: np.ndarray, sharding: Sharding | None):
+    """`rows` of every array of `tree` (numpy, rows first) on the devices, in
+    one transfer: each laid out as `_put` would (rows over "batch")."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves = [np.asarray(x)[rows] for x in leaves]
+    if sharding is None:
+        return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves))
+    where = [sharding.named(("batch", None)[:x.ndim]) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, where))
+
+
 def rollout_to_batch(ro, advantages, query_index, ref_cache, weights, group_size,
                      ref_logp=None) -> RLBatch:
     """The RLBatch (numpy) of one rollout: [query | response] rows, T = P + N."""
@@ -179,6 +190,7 @@ class Trainer:
         self.evaluator = Evaluator(self.model_cfg, self.task, cfg, self.sharding,
                                    samplers=(progs.eval_greedy, progs.eval_sampled))
         self.seed_key = jax.random.key(t.seed)
+        self._rollout_seed = jax.random.fold_in(self.seed_key, 1)   # once, not every step
         self.writer = MetricsWriter(self.run_dir, self.primary, t.tensorboard)
         if latest is not None:
             try:
@@ -292,7 +304,7 @@ class Trainer:
         times = {}
         t0 = time.perf_counter()
         ro = sample(self.sampler, self.state.params, prompts,
-                    rollout_key(jax.random.fold_in(self.seed_key, 1), step),
+                    rollout_key(self._rollout_seed, step),
                     cfg.rollout.max_prompts_per_call)
         times["time/rollout"] = time.perf_counter() - t0
         batch = rollout_to_batch(ro, np.zeros(ro.response_tokens.shape[0], np.float32), idx,
@@ -358,12 +370,7 @@ class Trainer:
             for k in range(o.num_minibatches):
                 q = order[k * per_mb:(k + 1) * per_mb]
                 rows = (q[:, None] * G + np.arange(G)[None, :]).reshape(-1)
-                take = lambda x: None if x is None else _put(np.asarray(x)[rows], self.sharding)
-                mb = RLBatch(*(take(x) for x in batch))
-                cb = None
-                if critic_batch is not None:
-                    cb = step_lib.CriticBatch(take(critic_batch.old_values),
-                                              take(critic_batch.returns))
+                mb, cb = _put_rows((batch, critic_batch), rows, self.sharding)
                 self.state, m = self.update(self.state, mb, cb)
                 metrics.append(m)
         # While the updates run: the next step's prompt indices (host work).
