@@ -60,22 +60,13 @@ class Preempted(Exception):
     """Raised inside the loop when SIGTERM arrived (after the checkpoint is saved)."""
 
 
-def _put(x, sharding: Sharding | None, logical=("batch", None)):
-    if x is None:
-        return None
-    if sharding is None:
-        return jnp.asarray(x)
-    return jax.device_put(np.asarray(x), sharding.named(logical[:np.ndim(x)]))
-
-
-def _put_rows(tree, rows: np.ndarray, sharding: Sharding | None):
-    """`rows` of every array of `tree` (numpy, rows first) on the devices, in
-    one transfer: each laid out as `_put` would (rows over "batch")."""
+def _put(tree, sharding: Sharding | None):
+    """Every array of `tree` (numpy, rows first; None leaves stay None) on the
+    devices, rows over "batch", in one transfer."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    leaves = [np.asarray(x)[rows] for x in leaves]
-    if sharding is None:
-        return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves))
-    where = [sharding.named(("batch", None)[:x.ndim]) for x in leaves]
+    leaves = [np.asarray(x) for x in leaves]
+    where = None if sharding is None else [sharding.named(("batch", None)[:x.ndim])
+                                           for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, where))
 
 
@@ -313,8 +304,8 @@ class Trainer:
         t0 = time.perf_counter()
         ref_logp = None
         if lc.needs_ref_logp:   # dispatched before the rewards and read after them: they overlap
-            ref_logp = self.ref_logp_fn(self.ref_params, _put(batch.tokens, self.sharding),
-                                        _put(batch.attn_mask, self.sharding),
+            ref_logp = self.ref_logp_fn(self.ref_params,
+                                        *_put((batch.tokens, batch.attn_mask), self.sharding),
                                         last=ro.response_tokens.shape[1])
             self.ref_forward_calls += 1
         times["time/ref"] = time.perf_counter() - t0
@@ -332,8 +323,7 @@ class Trainer:
         critic_batch = None
         if adv_lib.needs_critic(a.advantage):
             vals = to_host(self.values_fn(
-                self.state.critic, _put(batch.tokens, self.sharding),
-                _put(batch.attn_mask, self.sharding)))
+                self.state.critic, *_put((batch.tokens, batch.attn_mask), self.sharding)))
             adv, returns = adv_lib.gae(shaped, jnp.asarray(vals), jnp.asarray(batch.response_mask),
                                        gamma=a.gamma, lam=a.lam, whiten=True)
             critic_batch = step_lib.CriticBatch(np.asarray(vals, np.float32),
@@ -370,7 +360,8 @@ class Trainer:
             for k in range(o.num_minibatches):
                 q = order[k * per_mb:(k + 1) * per_mb]
                 rows = (q[:, None] * G + np.arange(G)[None, :]).reshape(-1)
-                mb, cb = _put_rows((batch, critic_batch), rows, self.sharding)
+                mb, cb = _put(jax.tree_util.tree_map(lambda x: np.asarray(x)[rows],
+                                                     (batch, critic_batch)), self.sharding)
                 self.state, m = self.update(self.state, mb, cb)
                 metrics.append(m)
         # While the updates run: the next step's prompt indices (host work).
@@ -403,8 +394,7 @@ class Trainer:
         idx = [min(i, n - 1) for i in range(rows)]
         ref = self.drift_cache.batch_layout(idx, width, width)
         params = self.state.params if params is None else params
-        lp = to_host(self.t1_logp_fn(params, _put(tokens, self.sharding),
-                                     _put(mask, self.sharding)))
+        lp = to_host(self.t1_logp_fn(params, *_put((tokens, mask), self.sharding)))
         gid = jnp.asarray(idx, jnp.int32)
         args = (jnp.asarray(lp), jnp.asarray(ref), jnp.asarray(qmask), gid)
         return {"drift/qkl_k3": float(query_kl(*args, "k3")),
@@ -412,7 +402,7 @@ class Trainer:
 
     def _policy_kl_metric(self, batch: RLBatch) -> dict:
         from erpo_jax.rl.kl import kl_estimate
-        tok, m = _put(batch.tokens, self.sharding), _put(batch.attn_mask, self.sharding)
+        tok, m = _put((batch.tokens, batch.attn_mask), self.sharding)
         last = self.sampler.sampling.max_new_tokens   # the response columns
         ref = jnp.asarray(to_host(self.ref_logp_fn(self.ref_params, tok, m, last=last)))
         cur = jnp.asarray(to_host(self.ref_logp_fn(self.state.params, tok, m, last=last)))

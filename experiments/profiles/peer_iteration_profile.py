@@ -31,17 +31,24 @@ from erpo_jax.tools.bench.peer import CONFIGS, MATCH
 from erpo_jax.tools.bench.rl import bench_trainer
 
 
-def op_times(trace_dir: Path) -> dict[str, dict[str, float]]:
-    """program -> {HLO op: microseconds} from the perfetto trace of the CPU
-    backend, whose op events carry their module (`jit_<function>`) and op name."""
+def op_events(trace_dir: Path):
+    """(module, HLO op, microseconds) of each op event in the perfetto trace
+    of the CPU backend, whose op events carry their module (`jit_<function>`)
+    and op name."""
     path = next(trace_dir.rglob("perfetto_trace.json.gz"))
     events = json.loads(gzip.decompress(path.read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    out: dict[str, dict[str, float]] = collections.defaultdict(collections.Counter)
     for e in events:
         args = e.get("args") or {}
         if e.get("ph") == "X" and "hlo_op" in args and "hlo_module" in args:
-            out[args["hlo_module"]][args["hlo_op"]] += e["dur"]
+            yield args["hlo_module"], args["hlo_op"], e["dur"]
+
+
+def op_times(trace_dir: Path) -> dict[str, dict[str, float]]:
+    """program -> {HLO op: microseconds} summed over the trace."""
+    out: dict[str, dict[str, float]] = collections.defaultdict(collections.Counter)
+    for module, op, dur in op_events(trace_dir):
+        out[module][op] += dur
     return out
 
 
@@ -65,14 +72,10 @@ def op_descriptions(dump_dir: Path) -> dict[str, dict[str, str]]:
 
 def op_spread(trace_dir: Path, module: str = "jit_update") -> dict[str, list[float]]:
     """op -> its durations (us) over the traced calls of `module`."""
-    path = next(trace_dir.rglob("perfetto_trace.json.gz"))
-    events = json.loads(gzip.decompress(path.read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
     out: dict[str, list[float]] = collections.defaultdict(list)
-    for e in events:
-        args = e.get("args") or {}
-        if e.get("ph") == "X" and args.get("hlo_module") == module and "hlo_op" in args:
-            out[args["hlo_op"]].append(e["dur"])
+    for m, op, dur in op_events(trace_dir):
+        if m == module:
+            out[op].append(dur)
     return out
 
 
@@ -111,8 +114,8 @@ def main(argv=None) -> None:
                                f" --xla_dump_to={dump} --xla_dump_hlo_as_text")
     import jax   # after XLA_FLAGS: the dump names what each traced op computes
 
-    spec = {**CONFIGS[args.size], **MATCH, "name": args.size, "iters": args.warm + 1 + args.update_calls,
-            "mesh": (1, 1, 1)}
+    spec = {**CONFIGS[args.size], **MATCH, "name": args.size,
+            "iters": args.warm + 1 + args.update_calls, "mesh": (1, 1, 1)}
     trace = Path(args.trace or tempfile.mkdtemp(prefix="erpo-prof-"))
     with bench_trainer(**spec) as (trainer, _):
         for step in range(args.warm):
