@@ -56,8 +56,10 @@ class KVCache(NamedTuple):
     transpose; keys slot-minor, so one-token decode's scores reduce over K
     with the S slots as the vector lanes (measured on the CPU: a 25M model's
     rollout, 128 rows x 191 slots, 8% faster than with slot-major keys).
-    valid: bool[B, S] (slot holds a real token); index: int32[] next slot to
-    write.
+    valid: bool[B, S] (slot holds a real token); index: the next slot to
+    write, int32[] shared by every row (the static sampler: every row at the
+    same slot) or int32[B], one per row (the continuous engine: each decode
+    slot holds a sample of its own, at its own step).
     """
 
     k: tuple[jax.Array, ...]
@@ -198,10 +200,8 @@ class Attention(nn.Module):
             # write the T new keys/values at cache_index in place and attend
             # over all S slots.
             ck, cv = layer_cache
-            ck = jax.lax.dynamic_update_slice(ck, k.transpose(0, 2, 3, 1).astype(ck.dtype),
-                                              (0, 0, 0, cache_index))
-            cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype),
-                                              (0, 0, cache_index, 0))
+            ck = _write_slots(ck, k.transpose(0, 2, 3, 1).astype(ck.dtype), cache_index, 3)
+            cv = _write_slots(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype), cache_index, 2)
             k, v = constrain(ck, K_CACHE_AXES), constrain(cv, V_CACHE_AXES)
             new_cache, ks, vs = (k, v), "bnks", "bnsk"
             # Each row attends on the chip that holds its cache; under a
@@ -350,17 +350,32 @@ def _layer_inputs(embedding, cfg: ModelConfig, sharding: Sharding | None, tokens
     if cache is None:
         q_slot, key_valid = jnp.arange(T), mask
     else:
-        q_slot = cache.index + jnp.arange(T)
-        key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
+        index = cache.index
+        q_slot = (index[:, None] if index.ndim else index) + jnp.arange(T)
+        key_valid = _write_slots(cache.valid, mask, index, 1)
     bias = _attention_bias(q_slot, key_valid)
     return x, cos, sin, bias, (None if cache is None else key_valid)
 
 
+def _write_slots(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """buf with `new` written along its slot axis `axis` from slot `index`:
+    one slice for a shared int32[] index; for a per-row int32[B] index, each
+    row's own slice (a scatter, in place in a loop carry)."""
+    if not index.ndim:
+        return jax.lax.dynamic_update_slice(buf, new, (0,) * axis + (index,)
+                                            + (0,) * (buf.ndim - axis - 1))
+    row = lambda b, n, i: jax.lax.dynamic_update_slice(
+        b, n, (0,) * (axis - 1) + (i,) + (0,) * (buf.ndim - axis - 1))
+    return jax.vmap(row)(buf, new, index)
+
+
 def _attention_bias(q_slot: jax.Array, key_valid: jax.Array) -> jax.Array:
-    """float32[B, T, S]: 0 where the query at slot q_slot[t] may attend key
-    slot s (s <= q_slot[t] and key_valid[b, s]), NEG_INF elsewhere."""
+    """float32[B, T, S]: 0 where the query at slot q_slot[t] (int32[T], or
+    int32[B, T] with a per-row cache index) may attend key slot s
+    (s <= its slot and key_valid[b, s]), NEG_INF elsewhere."""
     k_slot = jnp.arange(key_valid.shape[1])
-    allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]
+    q_slot = q_slot if q_slot.ndim == 2 else q_slot[None]
+    allowed = (k_slot[None, None, :] <= q_slot[:, :, None]) & key_valid[:, None, :]
     return jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)
 
 

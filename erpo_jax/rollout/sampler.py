@@ -357,19 +357,25 @@ def inverse_cdf_sample(z: jax.Array, u: jax.Array) -> jax.Array:
 def _choose(logits: jax.Array, keys: jax.Array, uniforms: jax.Array, step: jax.Array,
             sc: SamplingConfig, platform: str = ""):
     """Sampled tokens int32[R] and their logp float32[R] from logits float32[R, V]
-    (keys: key[R] per row; uniforms: float32[R, N] per row and step)."""
+    (keys: key[R] per row; uniforms: float32[R, N] per row and step; step:
+    int32[] shared by the rows, or int32[R], each row's own step)."""
     z = logits.astype(jnp.float32) / sc.temperature
     logprobs = jax.nn.log_softmax(z, axis=-1)
+    per_row = step.ndim == 1
     if sc.eos_ids and sc.min_new_tokens:
         is_eos = jnp.zeros(z.shape[-1], bool).at[jnp.array(sc.eos_ids)].set(True)
-        z = jnp.where(is_eos & (step < sc.min_new_tokens), -jnp.inf, z)
+        early = (step < sc.min_new_tokens)[:, None] if per_row else step < sc.min_new_tokens
+        z = jnp.where(is_eos & early, -jnp.inf, z)
     if sc.greedy:
         tok = jnp.argmax(z, axis=-1)
     else:
         z = truncate_logits(z, sc.top_k, sc.top_p, platform)
         if sc.method == "gumbel":
-            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+            step_keys = jax.vmap(jax.random.fold_in, (0, 0 if per_row else None))(keys, step)
             tok = jax.vmap(jax.random.categorical)(step_keys, z)
+        elif per_row:
+            u = jnp.take_along_axis(uniforms, step[:, None], axis=1)[:, 0]
+            tok = inverse_cdf_sample(z, u)
         else:
             u = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
             tok = inverse_cdf_sample(z, u)
@@ -622,6 +628,59 @@ def bucket_length(n: int, min_bucket: int, max_len: int) -> int:
     return min(b, max_len)
 
 
+def batch_shape(sc: SamplingConfig, sharding: Sharding | None, num_prompts: int,
+                longest_prompt: int) -> tuple[int, int]:
+    """(B', P) of a padded prompt batch: B' = num_prompts rounded up to the
+    data-parallel size, P = the length bucket of the longest prompt."""
+    dp = sharding.data_size if sharding is not None else 1
+    return (-(-num_prompts // dp) * dp,
+            bucket_length(longest_prompt, sc.min_bucket, sc.max_prompt_len))
+
+
+def prepare_prompts(prompts: Sequence[Sequence[int]], sc: SamplingConfig, vocab_size: int,
+                    sharding: Sharding | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Validate and left-pad: (tokens int32[B', P], mask bool[B', P], B).
+
+    B' >= B is B rounded up to the data-parallel size (extra rows repeat the
+    last prompt and are dropped from the result). Raises ValueError naming
+    the offending prompt's index.
+    """
+    V = vocab_size
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = list(prompts)
+    if prompts is None or len(prompts) == 0:
+        raise ValueError("Sampler: the prompt list is empty; pass at least one prompt.")
+    arrays = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1:
+            raise ValueError(f"Sampler: prompt {i} must be a flat list of token ids, "
+                             f"got shape {a.shape}.")
+        if a.size == 0:
+            raise ValueError(f"Sampler: prompt {i} is empty; every prompt needs at least "
+                             "one token.")
+        if not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"Sampler: prompt {i} has dtype {a.dtype}; token ids must be "
+                             "integers.")
+        if a.size > sc.max_prompt_len:
+            raise ValueError(f"Sampler: prompt {i} has {a.size} tokens, more than "
+                             f"max_prompt_len={sc.max_prompt_len}.")
+        bad = a[(a < 0) | (a >= V)]
+        if bad.size:
+            raise ValueError(f"Sampler: prompt {i} holds token id {int(bad[0])} outside the "
+                             f"vocabulary [0, {V}).")
+        arrays.append(a.astype(np.int32))
+    B = len(arrays)
+    Bp, P = batch_shape(sc, sharding, B, max(a.size for a in arrays))
+    tokens = np.full((Bp, P), sc.pad_id, np.int32)
+    mask = np.zeros((Bp, P), bool)
+    for i in range(Bp):
+        a = arrays[min(i, B - 1)]
+        tokens[i, P - a.size:] = a
+        mask[i, P - a.size:] = True
+    return tokens, mask, B
+
+
 class Sampler:
     """Host-side entry point: validates token-id prompts, pads them to a length
     bucket, runs the jitted sampler and returns numpy arrays.
@@ -631,13 +690,19 @@ class Sampler:
     out = sampler(params, [[1, 2, 3], [4, 5]], rollout_key(seed_key, step))
     out.response_tokens  # int32[2 * 8, 256]
 
-    `num_traces` counts how often the jitted function was traced.
+    `num_traces` counts how often the jitted function was traced. This is the
+    `static` rollout engine (`rollout.engine`; `continuous.ContinuousEngine`
+    is the other): a call's rows are prefilled together and decode until the
+    last of them ends.
     """
+
+    name = "static"
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig,
                  sharding: Sharding | None = None):
         self.cfg, self.sampling, self.sharding = cfg, sampling, sharding
         self.num_traces = 0
+        self.last_stats: dict = {}
         self._fn = make_sample_fn(cfg, sampling, sharding, on_trace=self._count_trace)
 
     def _count_trace(self):
@@ -646,52 +711,12 @@ class Sampler:
     def batch_shape(self, num_prompts: int, longest_prompt: int) -> tuple[int, int]:
         """(B', P) of the padded prompt batch: B' = num_prompts rounded up to
         the data-parallel size, P = the length bucket of the longest prompt."""
-        sc = self.sampling
-        dp = self.sharding.data_size if self.sharding is not None else 1
-        return (-(-num_prompts // dp) * dp,
-                bucket_length(longest_prompt, sc.min_bucket, sc.max_prompt_len))
+        return batch_shape(self.sampling, self.sharding, num_prompts, longest_prompt)
 
     def prepare(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, int]:
-        """Validate and left-pad: (tokens int32[B', P], mask bool[B', P], B).
-
-        B' >= B is B rounded up to the data-parallel size (extra rows repeat
-        the last prompt and are dropped from the result). Raises ValueError
-        naming the offending prompt's index.
-        """
-        sc, V = self.sampling, self.cfg.vocab_size
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
-            prompts = list(prompts)
-        if prompts is None or len(prompts) == 0:
-            raise ValueError("Sampler: the prompt list is empty; pass at least one prompt.")
-        arrays = []
-        for i, p in enumerate(prompts):
-            a = np.asarray(p)
-            if a.ndim != 1:
-                raise ValueError(f"Sampler: prompt {i} must be a flat list of token ids, "
-                                 f"got shape {a.shape}.")
-            if a.size == 0:
-                raise ValueError(f"Sampler: prompt {i} is empty; every prompt needs at least "
-                                 "one token.")
-            if not np.issubdtype(a.dtype, np.integer):
-                raise ValueError(f"Sampler: prompt {i} has dtype {a.dtype}; token ids must be "
-                                 "integers.")
-            if a.size > sc.max_prompt_len:
-                raise ValueError(f"Sampler: prompt {i} has {a.size} tokens, more than "
-                                 f"max_prompt_len={sc.max_prompt_len}.")
-            bad = a[(a < 0) | (a >= V)]
-            if bad.size:
-                raise ValueError(f"Sampler: prompt {i} holds token id {int(bad[0])} outside the "
-                                 f"vocabulary [0, {V}).")
-            arrays.append(a.astype(np.int32))
-        B = len(arrays)
-        Bp, P = self.batch_shape(B, max(a.size for a in arrays))
-        tokens = np.full((Bp, P), sc.pad_id, np.int32)
-        mask = np.zeros((Bp, P), bool)
-        for i in range(Bp):
-            a = arrays[min(i, B - 1)]
-            tokens[i, P - a.size:] = a
-            mask[i, P - a.size:] = True
-        return tokens, mask, B
+        """Validate and left-pad: (tokens int32[B', P], mask bool[B', P], B)
+        (see `prepare_prompts`)."""
+        return prepare_prompts(prompts, self.sampling, self.cfg.vocab_size, self.sharding)
 
     def lower(self, params, num_prompts: int, longest_prompt: int):
         """The jitted sampler lowered for `num_prompts` prompts whose longest
@@ -798,3 +823,56 @@ class Sampler:
         out, n = self.run(params, prompts, rng)
         out = jax.device_get(out)
         return Rollout(*(np.asarray(a)[:n] if np.ndim(a) else np.asarray(a) for a in out))
+
+    def sample(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
+               max_prompts: int = 0) -> Rollout:
+        """A Rollout of numpy arrays over exactly len(prompts) * G rows, on
+        every host (the rollout-engine entry point, `rollout.engine`).
+
+        max_prompts > 0 samples at most that many prompts per call (chunk c
+        uses the key fold_in(key, c)), bounding the KV cache to
+        max_prompts * G rows; chunks are joined with their prompts
+        left-padded to one width. `last_stats` then holds the decode steps
+        the calls ran and their token-slot utilisation.
+        """
+        from erpo_jax.runtime.distributed import to_host
+        chunks = ([(prompts, key)] if max_prompts <= 0 or len(prompts) <= max_prompts else
+                  [(prompts[i:i + max_prompts], jax.random.fold_in(key, c))
+                   for c, i in enumerate(range(0, len(prompts), max_prompts))])
+        parts, slot_steps = [], 0
+        for chunk, k in chunks:
+            out, n = self.run(params, chunk, k)
+            rows = out.lengths.shape[0]
+            out = to_host(out)
+            out = Rollout(*(a[:n] if np.ndim(a) else a for a in out))
+            slot_steps += rows * max(int(out.num_steps) - 1, 0)
+            parts.append(out)
+        out = parts[0] if len(parts) == 1 else join_rollouts(parts, self.sampling.pad_id)
+        self.last_stats = rollout_stats(out.lengths, sum(max(int(p.num_steps) - 1, 0)
+                                                         for p in parts), slot_steps)
+        return out
+
+
+def rollout_stats(lengths: np.ndarray, decode_steps: int, slot_steps: int) -> dict:
+    """What a rollout cost: decode steps run (forward passes after each
+    sample's first token, which comes from the prefill), and token-slot
+    utilisation, the tokens those steps sampled over the row slots they ran
+    (slots x steps)."""
+    useful = int(np.maximum(np.asarray(lengths) - 1, 0).sum())
+    return {"decode_steps": int(decode_steps),
+            "slot_utilization": useful / slot_steps if slot_steps else 1.0}
+
+
+def join_rollouts(parts: Sequence[Rollout], pad_id: int) -> Rollout:
+    """numpy Rollouts of several calls as one, their prompts left-padded to
+    one width; num_steps is the largest."""
+    width = max(p.prompt_tokens.shape[1] for p in parts)
+
+    def left_pad(a, fill):
+        return np.pad(a, ((0, 0), (width - a.shape[1], 0)), constant_values=fill)
+
+    parts = [p._replace(prompt_tokens=left_pad(p.prompt_tokens, pad_id),
+                        prompt_mask=left_pad(p.prompt_mask, False)) for p in parts]
+    joined = {f: np.concatenate([getattr(p, f) for p in parts])
+              for f in Rollout._fields if f != "num_steps"}
+    return Rollout(**joined, num_steps=max(int(p.num_steps) for p in parts))

@@ -1,0 +1,527 @@
+"""The continuous-batching rollout engine: a fixed pool of decode slots, each
+finished slot refilled by the next pending (prompt, sample) pair.
+
+The static sampler (`sampler.Sampler`) prefills a call's B x G rows together
+and decodes until the last of them ends, so every call costs its longest
+response. Here `slots` rows decode together; a sample leaves its slot when it
+ends and the next pending sample takes the slot, until all of the call's
+samples are done. Each slot holds its own sample at its own step: the KV
+cache has a per-row write index (`model.KVCache.index` int32[slots]).
+
+Three jitted programs, and a host loop between them:
+
+  start    the pool, empty, and every sample's key;
+  insert   prefill the prompts the next samples need, copy each prompt's
+           keys and values into the free slots its samples take (a prompt's
+           G samples share one prefill: the last prompt, whose samples may
+           not all have fitted, is kept in a one-prompt stash for the next
+           insert), and sample each new sample's token 0;
+  decode   one-token decode steps of the whole pool in a `lax.while_loop`,
+           until `refill` slots are free (or, with nothing pending, until
+           every slot is done).
+
+The host sees only which slots are live (slots booleans) after each decode
+call: it never touches a token. Tokens, log-probs, lengths and EOS flags are
+scattered into [R, N] buffers on the device, indexed by sample, and come
+back as a `sampler.Rollout` in the static engine's row order.
+
+Exactness. A sample's slot holds the static sampler's layout: its prompt
+left-padded to the call's bucket P in cache slots [0, P), response token t
+fed into slot P + t. Its randomness is the static sampler's: sample
+r = b * G + g (chunk c's local index with `max_prompts`) has the key
+fold_in(rng, r) (fold_in(fold_in(rng, c), r)), its N uniforms drawn from it
+at once (method 'inverse_cdf'), or fold_in(key, t) at its own step t
+('gumbel'). So whatever the pool size and the order of refills, a sample's
+tokens are the static engine's and its log-probs agree with them to float
+rounding (the softmax sums run over another number of masked cache slots).
+The log-prob convention is the `sampler` module's.
+
+What a decode step reads. Every slot's cache has S = P + N - 1 entries and
+each step's attention reads all of them, masked past the slot's own
+position (the static engine's cache phases do not carry over: the slots of
+a pool sit at every position at once). On TPU the step compiles to XLA's
+dense attention over S slots (see experiments/BENCHMARKS.md for `erpo plan`
+on it).
+
+Sharding. Slots lie over the data axes like the static sampler's rows; the
+decode step is weight-stationary, as there. The per-sample output buffers
+are replicated (a step scatters slots tokens into them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from erpo_jax.model import model as model_lib
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.sharding import Sharding, platform as platform_of
+from erpo_jax.rollout import sampler as sampler_lib
+from erpo_jax.rollout.sampler import Rollout, SamplingConfig, _choose, decode_head, head_logits
+from erpo_jax.runtime import xla_options
+from erpo_jax.runtime.distributed import to_host
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Stash:
+    """One prefilled prompt kept for the next insert: keys and values (tuples
+    of L arrays [1, Nk, K, P] and [1, Nk, P, K]), valid bool[1, P], the
+    last position's logits float32[1, V] and its real length int32[1]."""
+
+    k: tuple
+    v: tuple
+    valid: jax.Array
+    logits: jax.Array
+    length: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PoolState:
+    """The pool between programs (slots rows, R samples, N new tokens).
+
+    cache: KVCache over the slots, per-row index; last: int32[slots], the
+    token fed next; positions: int32[slots], its RoPE position; t:
+    int32[slots], tokens its sample has so far; live: bool[slots]; sample:
+    int32[slots], the slot's sample (R when empty); keys: key[slots];
+    uniforms: float32[slots, N] ('inverse_cdf'; [slots, 0] otherwise);
+    stash: the last prompt prefilled; tokens / logp: [R, N]; lengths:
+    int32[R]; ended: bool[R], True after an EOS; sample_keys: key[R];
+    steps: int32[] decode steps run; useful: int32[] tokens they sampled.
+    """
+
+    cache: model_lib.KVCache
+    last: jax.Array
+    positions: jax.Array
+    t: jax.Array
+    live: jax.Array
+    sample: jax.Array
+    keys: jax.Array
+    uniforms: jax.Array
+    stash: Stash
+    tokens: jax.Array
+    logp: jax.Array
+    lengths: jax.Array
+    ended: jax.Array
+    sample_keys: jax.Array
+    steps: jax.Array
+    useful: jax.Array
+
+
+def sample_keys(rng: jax.Array, num_samples: int, group: int, per_call: int) -> jax.Array:
+    """key[R]: sample r's key as the static engine draws it. per_call > 0:
+    prompts come in calls of that many (call c keyed fold_in(rng, c)), each
+    call's samples indexed from 0."""
+    r = jnp.arange(num_samples, dtype=jnp.int32)
+    if per_call <= 0:
+        return jax.vmap(jax.random.fold_in, (None, 0))(rng, r)
+    rows = per_call * group
+    call_keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, r // rows)
+    return jax.vmap(jax.random.fold_in)(call_keys, r % rows)
+
+
+def _uniforms(keys: jax.Array, sc: SamplingConfig) -> jax.Array:
+    if sc.method == "inverse_cdf" and not sc.greedy:
+        return jax.vmap(lambda k: jax.random.uniform(k, (sc.max_new_tokens,)))(keys)
+    return jnp.zeros((keys.shape[0], 0), jnp.float32)
+
+
+def _hit_eos(tok: jax.Array, sc: SamplingConfig) -> jax.Array:
+    if not sc.eos_ids:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.isin(tok, jnp.array(sc.eos_ids, jnp.int32))
+
+
+class _Logical:
+    """Logical axes of every PoolState leaf (None: replicated)."""
+
+    @staticmethod
+    def of(state_like: PoolState) -> PoolState:
+        L = len(state_like.cache.k)
+        slot1, slot2 = ("batch",), ("batch", None)
+        rep = lambda nd: (None,) * nd
+        return PoolState(
+            cache=model_lib.KVCache((model_lib.K_CACHE_AXES,) * L, (model_lib.V_CACHE_AXES,) * L,
+                                    ("rows", "cache_length"), ("rows",)),
+            last=slot1, positions=slot1, t=slot1, live=slot1, sample=slot1, keys=slot1,
+            uniforms=slot2,
+            stash=Stash((rep(4),) * L, (rep(4),) * L, rep(2), rep(2), rep(1)),
+            tokens=rep(2), logp=rep(2), lengths=rep(1), ended=rep(1), sample_keys=rep(1),
+            steps=(), useful=())
+
+
+class ContinuousEngine:
+    """The `continuous` rollout engine (see the module docstring).
+
+    engine = ContinuousEngine(cfg, SamplingConfig(max_new_tokens=256, num_samples=8,
+                                                  eos_ids=(eos,)), sharding, slots=64)
+    out = engine.sample(params, prompts, rollout_key(seed_key, step), max_prompts)
+
+    slots: decode slots, a multiple of the data-parallel size. refill: free
+    slots that end a decode call while samples are pending (0: slots / 16,
+    at least 1). `last_stats` holds the last call's decode steps and token-slot
+    utilisation; `num_traces` counts traces of its programs.
+    """
+
+    name = "continuous"
+
+    def __init__(self, cfg: ModelConfig, sampling: SamplingConfig,
+                 sharding: Sharding | None = None, slots: int = 0, refill: int = 0):
+        sampling.check_model(cfg)
+        dp = sharding.data_size if sharding is not None else 1
+        slots = slots or 0
+        if slots < 1:
+            raise ValueError(f"rollout.slots is {slots}; the continuous engine needs at least "
+                             "one decode slot (set rollout.slots, e.g. to the static engine's "
+                             "rows per call).")
+        if slots % dp:
+            raise ValueError(f"rollout.slots ({slots}) is not a multiple of the data-parallel "
+                             f"size {dp}: the slots lie over the data axes. Set it to "
+                             f"{-(-slots // dp) * dp}.")
+        self.cfg, self.sampling, self.sharding = cfg, sampling, sharding
+        self.slots, self.refill = slots, refill or max(1, slots // 16)
+        self.num_traces = 0
+        self.last_stats: dict = {}
+        self._programs: dict = {}
+
+    # ------------------------------------------------------------------ shapes
+
+    def batch_shape(self, num_prompts: int, longest_prompt: int) -> tuple[int, int]:
+        return sampler_lib.batch_shape(self.sampling, self.sharding, num_prompts, longest_prompt)
+
+    def prepare(self, prompts):
+        return sampler_lib.prepare_prompts(prompts, self.sampling, self.cfg.vocab_size,
+                                           self.sharding)
+
+    def _constrain(self, x, logical):
+        return x if self.sharding is None else self.sharding.constrain(x, logical)
+
+    def _named(self, logical):
+        return None if self.sharding is None else self.sharding.named(logical)
+
+    def _state_shardings(self, like: PoolState):
+        if self.sharding is None:
+            return None
+        return jax.tree_util.tree_map(lambda ax: self.sharding.named(ax), _Logical.of(like),
+                                      is_leaf=lambda x: isinstance(x, tuple) and all(
+                                          a is None or isinstance(a, str) for a in x))
+
+    def _query_buckets(self, num_prompts: int) -> list[int]:
+        """Prompt counts an insert is compiled for: 0, then the data-parallel
+        size times powers of two up to what one insert can need."""
+        dp = self.sharding.data_size if self.sharding is not None else 1
+        need = min(num_prompts, -(-self.slots // self.sampling.num_samples) + 1)
+        out, q = [0], dp
+        while True:
+            out.append(q)
+            if q >= need:
+                return out
+            q *= 2
+
+    # ------------------------------------------------------------------ programs
+
+    def _count(self):
+        self.num_traces += 1
+
+    def _program(self, name: str, R: int, P: int, per_call: int = 0, Q: int = 0):
+        key = (name, R, P, per_call, Q)
+        if key not in self._programs:
+            self._programs[key] = getattr(self, "_make_" + name)(R, P, per_call, Q)
+        return self._programs[key]
+
+    def _abstract_state(self, R: int, P: int) -> PoolState:
+        return jax.eval_shape(lambda: self._empty(jax.random.key(0), R, P, 0))
+
+    def _empty(self, rng, R: int, P: int, per_call: int) -> PoolState:
+        cfg, sc, n = self.cfg, self.sampling, self.slots
+        N, G = sc.max_new_tokens, sc.num_samples
+        S, L = P + N - 1, cfg.num_layers
+        cache = model_lib.init_cache(cfg, n, S)
+        cache = cache._replace(index=jnp.full((n,), P, jnp.int32))
+        cd, Nk, K = cfg.jnp_compute_dtype, cfg.num_kv_heads, cfg.head_dim
+        stash = Stash(tuple(jnp.zeros((1, Nk, K, P), cd) for _ in range(L)),
+                      tuple(jnp.zeros((1, Nk, P, K), cd) for _ in range(L)),
+                      jnp.zeros((1, P), bool), jnp.zeros((1, cfg.vocab_size), jnp.float32),
+                      jnp.zeros((1,), jnp.int32))
+        keys = sample_keys(rng, R, G, per_call)
+        zeros = lambda dtype: jnp.zeros((n,), dtype)
+        return PoolState(
+            cache=cache, last=zeros(jnp.int32), positions=zeros(jnp.int32), t=zeros(jnp.int32),
+            live=zeros(bool), sample=jnp.full((n,), R, jnp.int32),
+            keys=jax.random.split(jax.random.key(0), n),
+            uniforms=_uniforms(jax.random.split(jax.random.key(0), n), sc),
+            stash=stash, tokens=jnp.full((R, N), sc.pad_id, jnp.int32),
+            logp=jnp.zeros((R, N), jnp.float32), lengths=jnp.zeros((R,), jnp.int32),
+            ended=jnp.zeros((R,), bool), sample_keys=keys, steps=jnp.zeros((), jnp.int32),
+            useful=jnp.zeros((), jnp.int32))
+
+    def _jit(self, fn, like: PoolState, donate: bool, extra_out=None):
+        shardings = self._state_shardings(like)
+        out = shardings if extra_out is None or shardings is None else (shardings, extra_out)
+        kw = dict(compiler_options=xla_options.for_steps())
+        if donate:
+            kw["donate_argnums"] = (0,)
+        if out is not None:
+            kw["out_shardings"] = out
+        return jax.jit(fn, **kw)
+
+    def _make_start(self, R, P, per_call, Q):
+        def start(rng):
+            self._count()
+            return self._empty(rng, R, P, per_call)
+        return self._jit(start, self._abstract_state(R, P), donate=False)
+
+    def _make_weights(self, R, P, per_call, Q):
+        cfg, sh = self.cfg, self.sharding
+
+        def weights(params):
+            self._count()
+            params = model_lib.unstack_layers(model_lib.in_compute_dtype(params, cfg))
+            return params, decode_head(params, cfg, sh)
+        kw = {}
+        if sh is not None:
+            placed = jax.tree_util.tree_map(
+                lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p),
+                model_lib.abstract_params(cfg), model_lib.param_shardings(cfg, sh))
+            kw["out_shardings"] = jax.tree_util.tree_map(lambda a: a.sharding,
+                                                         self._abstract_weights(placed))
+        return jax.jit(weights, compiler_options=xla_options.for_steps(), **kw)
+
+    def _abstract_weights(self, params):
+        """(per-layer compute-dtype weights, decode head) as ShapeDtypeStructs,
+        in the shardings the `weights` program gives them: each layer's
+        slice keeps its stacked parameter's sharding, the head
+        `sampler.decode_head_axes`'s."""
+        cfg, sh = self.cfg, self.sharding
+        narrowed = jax.eval_shape(lambda p: model_lib.in_compute_dtype(p, cfg), params)
+        w = jax.eval_shape(model_lib.unstack_layers, narrowed)
+        head = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.jnp_compute_dtype)
+        if sh is None:
+            return w, head
+
+        def unstacked(a, n):
+            spec = jax.sharding.PartitionSpec(*tuple(a.sharding.spec)[1:])
+            return jax.ShapeDtypeStruct(n.shape, n.dtype,
+                                        sharding=jax.sharding.NamedSharding(sh.mesh, spec))
+
+        same = lambda a, n: jax.ShapeDtypeStruct(n.shape, n.dtype, sharding=a.sharding)
+        w = {**jax.tree_util.tree_map(same, {k: v for k, v in params.items() if k != "layers"},
+                                      {k: v for k, v in w.items() if k != "layers"}),
+             "layers": tuple(jax.tree_util.tree_map(unstacked, params["layers"], layer)
+                             for layer in w["layers"])}
+        head = jax.ShapeDtypeStruct(head.shape, head.dtype, sharding=sh.named(
+            sampler_lib.decode_head_axes(cfg, sh)))
+        return w, head
+
+    def _make_insert(self, R, P, per_call, Q):
+        cfg, sc, sh, n = self.cfg, self.sampling, self.sharding, self.slots
+        N, plat = sc.max_new_tokens, platform_of(self.sharding)
+        c = self._constrain
+
+        def insert(s: PoolState, params, head, tokens, mask, src, sample, keep):
+            """tokens / mask [Q, P]: the prompts to prefill; src int32[slots]:
+            where each slot's new sample's prompt is (-1 none, 0 the stash,
+            1 + q the q-th prompt); sample int32[slots]: its sample (R: none);
+            keep: the row of [stash, prompts] to stash next."""
+            self._count()
+            st = s.stash
+            if Q:
+                cache = model_lib.init_cache(cfg, Q, P)
+                h, cache = model_lib.hidden_states(
+                    params, cfg, tokens, model_lib.positions_from_mask(mask), mask,
+                    cache=cache, sharding=sh)
+                logits = head_logits(h[:, -1], head, cfg, sh)
+                cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=0)
+                st = Stash(tuple(map(cat, st.k, cache.k)), tuple(map(cat, st.v, cache.v)),
+                           cat(st.valid, mask), cat(st.logits, logits),
+                           cat(st.length, jnp.sum(mask, axis=-1, dtype=jnp.int32)))
+            new = src >= 0
+            at = jnp.maximum(src, 0)
+            take = lambda a: jnp.take(a, at, axis=0)
+
+            def put(buf, part, axis, axes):   # slots' first P cache entries from the prompts
+                head_part = jax.lax.slice_in_dim(buf, 0, P, axis=axis)
+                shape = (n,) + (1,) * (buf.ndim - 1)
+                part = jnp.where(new.reshape(shape), take(part).astype(buf.dtype), head_part)
+                return c(jax.lax.dynamic_update_slice_in_dim(buf, part, 0, axis=axis), axes)
+
+            cache = s.cache
+            valid = jnp.where(new[:, None], False, cache.valid)
+            cache = model_lib.KVCache(
+                tuple(put(b, p, 3, model_lib.K_CACHE_AXES) for b, p in zip(cache.k, st.k)),
+                tuple(put(b, p, 2, model_lib.V_CACHE_AXES) for b, p in zip(cache.v, st.v)),
+                put(valid, st.valid, 1, ("rows", "cache_length")),
+                jnp.where(new, P, cache.index))
+            keys = _select_keys(new, s.sample_keys, sample, R, s.keys)
+            uniforms = jnp.where(new[:, None], _uniforms(keys, sc), s.uniforms)
+            tok, lp = _choose(take(st.logits), keys, uniforms, jnp.zeros((n,), jnp.int32), sc,
+                              plat)
+            hit = _hit_eos(tok, sc)
+            row = jnp.where(new, sample, R)          # R: dropped by the scatters
+            out = s.tokens.at[row, 0].set(tok, mode="drop")
+            out_logp = s.logp.at[row, 0].set(lp, mode="drop")
+            keep_stash = jax.tree_util.tree_map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, keep, 1, axis=0), st)
+            return dataclasses.replace(
+                s, cache=cache,
+                last=jnp.where(new, tok, s.last),
+                positions=jnp.where(new, take(st.length), s.positions),
+                t=jnp.where(new, 1, s.t),
+                live=jnp.where(new, ~hit & (N > 1), s.live),
+                sample=jnp.where(new, sample, s.sample),
+                keys=keys, uniforms=uniforms, stash=keep_stash,
+                tokens=out, logp=out_logp,
+                lengths=s.lengths.at[row].set(1, mode="drop"),
+                ended=s.ended.at[row].set(hit, mode="drop"))
+
+        return self._jit(insert, self._abstract_state(R, P), donate=True)
+
+    def _make_decode(self, R, P, per_call, Q):
+        cfg, sc, sh, n = self.cfg, self.sampling, self.sharding, self.slots
+        N, plat = sc.max_new_tokens, platform_of(self.sharding)
+        stationary = None if sh is None else sh.weight_stationary()
+
+        def step(params, head, s: PoolState) -> PoolState:
+            h, cache = model_lib.hidden_states(params, cfg, s.last[:, None],
+                                               s.positions[:, None],
+                                               jnp.ones((n, 1), bool), cache=s.cache,
+                                               sharding=stationary)
+            cache = cache._replace(index=jnp.minimum(cache.index, P + N - 2))
+            logits = head_logits(h[:, 0], head, cfg, sh)
+            tok, lp = _choose(logits, s.keys, s.uniforms, jnp.minimum(s.t, N - 1), sc, plat)
+            live = s.live
+            row = jnp.where(live, s.sample, R)
+            at = jnp.minimum(s.t, N - 1)
+            t = s.t + live.astype(jnp.int32)
+            hit = _hit_eos(tok, sc) & live
+            return dataclasses.replace(
+                s, cache=cache, last=jnp.where(live, tok, s.last),
+                positions=s.positions + live.astype(jnp.int32), t=t,
+                live=live & ~hit & (t < N),
+                tokens=s.tokens.at[row, at].set(tok, mode="drop"),
+                logp=s.logp.at[row, at].set(lp, mode="drop"),
+                lengths=s.lengths.at[row].set(t, mode="drop"),
+                ended=s.ended.at[row].set(hit, mode="drop"),
+                steps=s.steps + 1, useful=s.useful + jnp.sum(live, dtype=jnp.int32))
+
+        def decode(s: PoolState, params, head, refill):
+            """Decode steps until `refill` slots are free or none is live."""
+            self._count()
+            run = lambda s: (jnp.sum(~s.live) < refill) & jnp.any(s.live)
+            s = jax.lax.while_loop(run, lambda s: step(params, head, s), s)
+            return s, self._constrain(s.live, (None,))
+
+        like = self._abstract_state(R, P)
+        return self._jit(decode, like, donate=True,
+                         extra_out=None if sh is None else sh.replicated())
+
+    # ------------------------------------------------------------------ host loop
+
+    def compile(self, params, num_prompts: int, longest_prompt: int, max_prompts: int = 0):
+        """Compile the programs a call of `num_prompts` prompts runs (params:
+        arrays or ShapeDtypeStructs)."""
+        for name, lowered in self.lower(params, num_prompts, longest_prompt, max_prompts):
+            lowered.compile()
+
+    def lower(self, params, num_prompts: int, longest_prompt: int, max_prompts: int = 0):
+        """[(name, Lowered)] of every program a call runs at these shapes."""
+        B, P = self.batch_shape(num_prompts, longest_prompt)
+        G, R = self.sampling.num_samples, B * self.sampling.num_samples
+        per_call = max_prompts if 0 < max_prompts < num_prompts else 0
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        state = self._abstract_state(R, P)
+        if self.sharding is not None:
+            state = jax.tree_util.tree_map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state,
+                self._state_shardings(state))
+        weights = self._program("weights", R, P)
+        w, head = self._abstract_weights(params)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        out = [("rollout start", self._program("start", R, P, per_call).lower(key)),
+               ("rollout weights", weights.lower(params))]
+        for Q in self._query_buckets(B):
+            rows = lambda dtype, Q=Q: jax.ShapeDtypeStruct(
+                (Q, P), dtype, sharding=self._named(("batch", None)) if Q else None)
+            out.append((f"rollout insert (+{Q} prompts)", self._program("insert", R, P, 0, Q).lower(
+                state, w, head, rows(jnp.int32), rows(jnp.bool_), i32(self.slots),
+                i32(self.slots), i32())))
+        out.append(("rollout decode", self._program("decode", R, P).lower(state, w, head, i32())))
+        return out
+
+    def run(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
+            max_prompts: int = 0) -> tuple[Rollout, int]:
+        """(Rollout of device arrays over B' * G rows, number of real rows B * G),
+        as `Sampler.run`; max_prompts keys the samples as the static engine's
+        calls of that many prompts."""
+        tokens, mask, B = self.prepare(prompts)
+        Bp, P = tokens.shape
+        sc, n = self.sampling, self.slots
+        G, N = sc.num_samples, sc.max_new_tokens
+        R, real = Bp * G, B * G
+        per_call = max_prompts if 0 < max_prompts < B else 0
+        state = self._program("start", R, P, per_call)(rng)
+        w, head = self._program("weights", R, P)(params)
+        buckets = self._query_buckets(Bp)
+        live = np.zeros(n, bool)
+        nxt, stashed = 0, -1
+        while True:
+            free = np.flatnonzero(~live)
+            if nxt < real and free.size:
+                k = min(free.size, real - nxt)
+                ids = np.arange(nxt, nxt + k)
+                prompt = ids // G
+                fresh = np.unique(prompt[prompt != stashed])
+                Q = next(q for q in buckets if q >= fresh.size)
+                src = np.full(n, -1, np.int32)
+                src[free[:k]] = np.where(prompt == stashed, 0,
+                                         1 + np.searchsorted(fresh, prompt))
+                sample = np.full(n, R, np.int32)
+                sample[free[:k]] = ids
+                keep = 0 if prompt[-1] == stashed else 1 + int(np.searchsorted(fresh, prompt[-1]))
+                rows = np.concatenate([fresh, np.full(Q - fresh.size, fresh[-1] if fresh.size
+                                                      else 0)]).astype(int)
+                q_tok, q_mask = tokens[rows], mask[rows]
+                if Q and self.sharding is not None:
+                    put = self.sharding.named(("batch", None))
+                    q_tok, q_mask = jax.device_put(q_tok, put), jax.device_put(q_mask, put)
+                state = self._program("insert", R, P, 0, Q)(
+                    state, w, head, q_tok, q_mask, src, sample, np.int32(keep))
+                stashed, nxt = int(prompt[-1]), nxt + k
+            pending = real - nxt
+            refill = min(self.refill, pending) if pending else n + 1
+            state, live_dev = self._program("decode", R, P)(state, w, head, np.int32(refill))
+            live = to_host(live_dev)
+            if nxt == real and not live.any():
+                break
+        lengths = state.lengths
+        response_mask = jnp.arange(N)[None, :] < lengths[:, None]
+        rep = lambda a: np.repeat(a, G, axis=0)
+        out = Rollout(
+            prompt_tokens=rep(tokens), prompt_mask=rep(mask), response_tokens=state.tokens,
+            response_mask=response_mask, logp=state.logp, lengths=lengths,
+            truncated=~state.ended & (lengths > 0), num_steps=jnp.max(lengths))
+        steps = int(to_host(state.steps))
+        self.last_stats = sampler_lib.rollout_stats(to_host(lengths)[:real], steps,
+                                                    steps * n)
+        return out, real
+
+    def sample(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
+               max_prompts: int = 0) -> Rollout:
+        """A Rollout of numpy arrays over exactly len(prompts) * G rows on every
+        host, the same samples as `Sampler.sample` with that key and max_prompts."""
+        out, real = self.run(params, prompts, key, max_prompts)
+        out = to_host(out)
+        return Rollout(*(a[:real] if np.ndim(a) else a for a in out))
+
+
+def _select_keys(new, sample_keys, sample, R, keys):
+    """The slots' keys: each new sample's own (sample_keys[sample]), else kept."""
+    picked = jnp.take(sample_keys, jnp.minimum(sample, R - 1), axis=0)
+    data = jax.random.key_data
+    return jax.random.wrap_key_data(jnp.where(new[:, None], data(picked), data(keys)))
