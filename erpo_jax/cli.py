@@ -2,7 +2,7 @@
 
     erpo sft    --config experiments/sft_arith.py [section.field=value ...]
     erpo train  --config experiments/main_comparison.py loss.beta_query=0.1
-    erpo eval   --config FILE [--checkpoint DIR]
+    erpo eval   --config FILE [--checkpoint DIR] [--out DIR | --into-run]
     erpo inspect-grads --config FILE --checkpoint DIR [--json OUT] [--unit] ...
     erpo sweep  experiments/main_comparison.py --seeds 0,1,2 --cpu
     erpo report runs/main_comparison/*/seed* --out runs/main_comparison/report
@@ -10,11 +10,15 @@
     erpo plan   --config FILE --topology v4-8 [--json out.json] [--suggest]
     erpo demo   (the embedded CPU demo: SFT, then RL three ways, then a summary)
 
-Every config field can be overridden with `section.field=value`; invalid
-values fail before anything compiles, with a sentence naming the field.
+Every config field can be overridden with `section.field=value`, anywhere on
+the line; invalid values fail before anything compiles, with a sentence naming
+the field. `erpo eval` writes its results beside the model it evaluates
+(`<model>-eval-...`, or `--out DIR`), never into a training run's directory
+unless `--into-run` says so (then as an eval of the run, not a training step).
 
 Exit codes: 0 done; 1 the run failed (one sentence on stderr; set
-ERPO_JAX_TRACEBACK=1 for the traceback); 2 a bad config field; 75 `erpo train`
+ERPO_JAX_TRACEBACK=1 for the traceback); 2 a bad config field, config file,
+override or output path, or a run directory another run holds; 75 `erpo train`
 was stopped by SIGTERM (preemption) after saving a checkpoint: rerun the same
 command to resume.
 """
@@ -22,13 +26,16 @@ command to resume.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 
 def _load(args):
     from erpo_jax.train.config import load_config
-    return load_config(args.config, args.overrides, cpu=args.cpu)
+    cfg = load_config(args.config, args.overrides, cpu=args.cpu)
+    args.run_dir = cfg.train.out_dir   # where a failure may have left a resumable run
+    return cfg
 
 
 def _sft(args) -> int:
@@ -54,22 +61,60 @@ def _train(args) -> int:
     return 0
 
 
+def _eval_settings(cfg) -> dict:
+    """What an evaluation's numbers depend on besides the model."""
+    t = cfg.train
+    return {"data": dataclasses.asdict(cfg.data), "seed": t.seed, "eval_split": t.eval_split,
+            "eval_n": t.eval_n, "eval_k": list(t.eval_k), "eval_temperature": t.eval_temperature,
+            "eval_max_problems": t.eval_max_problems,
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+            "dtypes": [cfg.model.param_dtype, cfg.model.compute_dtype]}
+
+
+def _eval_dir(cfg, settings: dict) -> str:
+    """The default directory of `erpo eval`'s results: beside the model it
+    evaluates, named for it and the settings (never a training run's directory)."""
+    import hashlib
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    tag = f"eval-{cfg.train.eval_split}-n{cfg.train.eval_n}-{digest}"
+    m = cfg.model
+    base = m.path if m.init in ("sft", "hf") else f"{cfg.train.out_dir}-random-{m.preset}"
+    return f"{base.rstrip('/')}-{tag}"
+
+
 def _eval(args) -> int:
-    import dataclasses
+    import time
 
     import jax
 
     from erpo_jax.runtime import compile_cache
-    from erpo_jax.train.evaluate import Evaluator, write_eval
-    from erpo_jax.train.policy import build_sharding, load_policy
+    from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
+    from erpo_jax.train.policy import build_sharding, check_model_dir, load_policy
     from erpo_jax.train.tasks import load_task
     from erpo_jax.runtime import rundir
-    from erpo_jax.train.config import validate
+    from erpo_jax.train.config import ConfigError, validate
     cfg = _load(args)
+    args.run_dir = None   # eval leaves no run to resume
     if args.checkpoint:
+        check_model_dir(args.checkpoint, "--checkpoint")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="hf",
                                                                  path=args.checkpoint))
     validate(cfg)
+    settings = _eval_settings(cfg)
+    # Where the results go, checked before the work.
+    if args.into_run:
+        out = args.out or cfg.train.out_dir
+        if not rundir.is_run_dir(out):
+            raise ConfigError(f"--into-run: {out} holds no training run (no metrics.jsonl or "
+                              "checkpoints/); drop --into-run to write an eval directory.")
+    else:
+        out = args.out or _eval_dir(cfg, settings)
+        if rundir.is_run_dir(out):
+            raise ConfigError(f"--out {out} is a training run's directory: an eval there would "
+                              "mix with the run's own evaluations; give another --out, or pass "
+                              "--into-run to record it there as an eval (external_evals.jsonl), "
+                              "never as a training step.")
+    rundir.check_output_dir(out, "--out")
     compile_cache.configure(cfg.train.compile_cache)
     sharding = build_sharding(cfg)
     model_cfg, params, tok = load_policy(cfg, sharding)
@@ -79,10 +124,21 @@ def _eval(args) -> int:
             params, jax.random.key(cfg.train.seed), 0)
     finally:
         task.close()
-    out = rundir.path(args.out or cfg.train.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_eval(out, res)
-    print(json.dumps({"sets": res["sets"], "average": res["average"]}, indent=2))
+    out = rundir.path(out)
+    model = cfg.model.path if cfg.model.init in ("sft", "hf") else f"random {cfg.model.preset}"
+    if args.into_run:   # recorded as an eval of the run, never as one of its training steps
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        row = {"time": stamp, "model": model, "settings": settings,
+               "sets": res["sets"], "average": res["average"]}
+        rundir.write_json(out / f"external_eval_{stamp}.json", {**row, "samples": res["samples"]},
+                          indent=2)
+        rundir.append_line(out / "external_evals.jsonl", row)
+    else:
+        keep_evals(out, lambda s: False)   # this directory holds the latest evaluation
+        write_eval(out, res)
+        rundir.write_json(out / "eval_config.json", {"model": model, "settings": settings},
+                          indent=2, sort_keys=True)
+    print(json.dumps({"sets": res["sets"], "average": res["average"], "out": str(out)}, indent=2))
     return 0
 
 
@@ -109,8 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_train)
     p = sub.add_parser("eval", help="greedy pass@1 and sampled pass@k on the evaluation sets")
     _config_args(p)
-    p.add_argument("--checkpoint", default=None, help="an HF-format model directory to evaluate")
-    p.add_argument("--out", default=None, help="where to write the results")
+    p.add_argument("--checkpoint", default=None, help="an HF-format model directory to evaluate "
+                   "(a run's is <out_dir>/model)")
+    p.add_argument("--out", default=None, help="the directory to write the results in (default: "
+                   "beside the model, <model>-eval-<split>-n<eval_n>-<settings hash>); never a "
+                   "training run's directory unless --into-run")
+    p.add_argument("--into-run", action="store_true", help="record the results in a training "
+                   "run's directory (--out, default train.out_dir) as an eval of it, in "
+                   "external_evals.jsonl: never as a training step")
     p.set_defaults(func=_eval)
     from erpo_jax.tools import bench, plan, report, sweep
     from erpo_jax.train.inspect_grads import add_parser as add_inspect
@@ -132,9 +194,37 @@ def _user_errors() -> tuple:
     return ValueError, FloatingPointError, OSError, SaveFailed
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with `section.field=value` overrides accepted anywhere
+    on it (argparse alone takes them only in one run of positionals)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and args.command not in ("sweep",):
+        stray = [a for a in extra if a.startswith("-") or "=" not in a]
+        if not stray:
+            args.overrides = [*(args.overrides or []), *extra]
+            extra = []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _resumable(run_dir) -> bool:
+    """Whether `run_dir` holds a checkpoint a rerun resumes from."""
+    if not run_dir:
+        return False
+    from erpo_jax.runtime import rundir
+    try:
+        ckpts = rundir.path(run_dir) / "checkpoints"
+        return ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
+    args.run_dir = None
     # Exceptions nobody can raise (orbax's abandoned coroutines after a failed
     # save or restore) are held back: replayed if the command ends otherwise,
     # dropped after a user error, whose one sentence says what happened.
@@ -151,9 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         held.clear()
         sys.unraisablehook = lambda unraisable: None   # and at exit, for the same failure
         hook = sys.unraisablehook
-        config = isinstance(e, ValueError) and str(e).startswith("config field")
+        from erpo_jax.train.config import ConfigError
+        config = isinstance(e, ConfigError) or (isinstance(e, ValueError)
+                                                and str(e).startswith("config field"))
         text = " ".join(str(e).split()) or type(e).__name__
-        if isinstance(e, OSError) and not config and "rerun" not in text:
+        if (isinstance(e, OSError) and not config and "rerun" not in text
+                and args.command in ("train", "sft") and _resumable(args.run_dir)):
             text += ("; files in the run directory are intact up to the last checkpoint: fix "
                      "the cause and rerun the same command to resume")
         print(f"erpo {args.command}: {text}", file=sys.stderr, flush=True)

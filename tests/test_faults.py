@@ -59,6 +59,18 @@ BAD_INPUTS = [
     ("train.keep_checkpoints=0", "train.keep_checkpoints"),
     ("train.drift_every=2 train.drift_queries=0", "train.drift_queries"),
     ("algo.weight_tau=nan", "algo.weight_tau"),
+    # Count fields (issue 36): 0 or -1 is refused, not a silent slice or a Sampler error.
+    ("train.eval_max_problems=-1", "train.eval_max_problems"),
+    ("train.eval_max_problems=0", "train.eval_max_problems"),
+    ("model.logprob_chunk=0", "model.logprob_chunk"),
+    ("train.ref_batch_size=0", "train.ref_batch_size"),
+    ("data.n_train=0", "data.n_train"),
+    ("data.n_test=0", "data.n_test"),
+    ("train.seed=-1", "train.seed"),
+    ("data.seed=-1", "data.seed"),
+    ("model.param_dtype=float13", "model.param_dtype"),
+    ("model.compute_dtype=fp8", "model.compute_dtype"),
+    ("data.eval_benchmarks=gsm8k,nope", "data.eval_benchmarks"),
 ]
 
 

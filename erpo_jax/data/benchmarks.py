@@ -169,6 +169,7 @@ def load_jsonl(
     id_field: str | None = None,
     skip_bad_rows: bool = False,
     solution: Callable[[dict], str | None] | None = None,
+    lines: list[int] | None = None,
 ) -> LoadResult:
     """Load any JSONL file of problems.
 
@@ -184,6 +185,7 @@ def load_jsonl(
         that are not UTF-8); True skips bad rows and counts them.
       solution: maps a row to `Problem.solution` (a worked solution to
         train on), or None for no solution; may raise ValueError (a bad row).
+      lines: a list the 1-based line of each loaded problem is appended to.
     Returns:
       LoadResult(problems, skipped).
     """
@@ -235,6 +237,8 @@ def load_jsonl(
                 ) from e
             row_id = row[id_field] if id_field else row_number
             problems.append(Problem(f"{source}/{row_id}", question, answer, source, worked))
+            if lines is not None:
+                lines.append(line_no)
             row_number += 1
     return LoadResult(problems, skipped)
 

@@ -130,8 +130,10 @@ def solution_reader(answer_format: str, answer_field: str,
 
 def load_training_file(path: str | Path, question_field: str, answer_field: str,
                        answer_format: str = "plain", *, solution_field: str = "",
-                       skip_bad_rows: bool = False, source: str | None = None) -> LoadResult:
-    """Problems of a math JSONL training file, golds read by `answer_format`.
+                       skip_bad_rows: bool = False, source: str | None = None,
+                       lines: list[int] | None = None) -> LoadResult:
+    """Problems of a math JSONL training file, golds read by `answer_format`
+    (`lines`: a list the 1-based line of each problem is appended to).
 
     Raises ValueError naming `data.train_file` when the file is missing,
     ValueError naming `data.answer_format` when the answers look like another
@@ -144,23 +146,51 @@ def load_training_file(path: str | Path, question_field: str, answer_field: str,
     check_answer_format(path, answer_field, answer_format)
     return load_jsonl(path, question_field, answer_field, _GOLD[answer_format],
                       source=source or path.stem, skip_bad_rows=skip_bad_rows,
-                      solution=solution_reader(answer_format, answer_field, solution_field))
+                      solution=solution_reader(answer_format, answer_field, solution_field),
+                      lines=lines)
 
 
-def drop_unparseable(problems: Sequence[Problem], parsed: Sequence[bool], where: str,
-                     skip_bad_rows: bool) -> tuple[list[Problem], dict[str, Any]]:
-    """Keep the problems whose gold math-verify parsed; refuse or drop the rest.
+def drop_unparseable(problems: Sequence[Problem], parsed: Sequence[bool | str], where: str,
+                     skip_bad_rows: bool, lines: Sequence[int] | None = None,
+                     path: str | Path | None = None,
+                     numeric: bool = False) -> tuple[list[Problem], dict[str, Any]]:
+    """Keep the problems whose gold math-verify parsed to a math object; refuse
+    or drop the rest.
 
-    Returns (kept problems, report {'unparseable': n, 'first_ids': [...]});
-    raises ValueError naming `data.skip_bad_rows` when any gold is unparseable
-    and `skip_bad_rows` is False.
+    parsed: per problem, True/False or the verifier's reason (`CORRECT` is
+    parsed, `TIMEOUT` ran out of time, anything else did not parse). Timeouts
+    are the verifier's problem, not the data's: when every check timed out, or
+    any did and `skip_bad_rows` is False, a ValueError names
+    `reward.timeout_s`. `lines` and `path` name each bad row as file:line.
+    Returns (kept problems, report {'unparseable': n, 'first_ids': [...]},
+    plus 'timed_out': n when any timed out); raises ValueError naming
+    `data.skip_bad_rows` when any gold is unparseable and `skip_bad_rows` is
+    False.
     """
-    bad = [p for p, ok in zip(problems, parsed) if not ok]
-    report = {"unparseable": len(bad), "first_ids": [p.id for p in bad[:5]]}
+    from erpo_jax.rewards.outcome import CORRECT, TIMEOUT
+    reason = [(CORRECT if ok else "unparsed") if isinstance(ok, bool) else ok for ok in parsed]
+    timed_out = sum(r == TIMEOUT for r in reason)
+    if timed_out and (timed_out == len(reason) or not skip_bad_rows):
+        raise ValueError(
+            f"config field reward.timeout_s: math-verify ran out of time on {timed_out} of "
+            f"{len(reason)} gold answers of {where} while checking they parse; that is the "
+            "verifier's time limit, not the data: raise reward.timeout_s (or, if only a few "
+            "rows are that slow, set data.skip_bad_rows=true to drop them).")
+
+    def name(i: int) -> str:
+        p = problems[i]
+        at = f"{path}:{lines[i]}" if lines is not None and path is not None else p.id
+        return f"{at} ({_clip(p.answer, 30)!r})"
+
+    bad = [i for i, r in enumerate(reason) if r != CORRECT]
+    report = {"unparseable": len(bad) - timed_out,
+              "first_ids": [problems[i].id for i in bad[:5]]}
+    if timed_out:
+        report["timed_out"] = timed_out
     if bad and not skip_bad_rows:
-        examples = ", ".join(f"{p.id} ({_clip(p.answer, 30)!r})" for p in bad[:3])
+        kind = "a number" if numeric else "a number or expression"
         raise ValueError(
             f"{where}: math-verify cannot parse {len(bad)} of {len(problems)} gold answers "
-            f"(first: {examples}); every response to them would score 0. Fix those rows or "
-            "set data.skip_bad_rows=true to drop them.")
-    return [p for p, ok in zip(problems, parsed) if ok], report
+            f"(first: {', '.join(name(i) for i in bad[:3])}) to {kind}; every response to them "
+            "would score 0. Fix those rows or set data.skip_bad_rows=true to drop them.")
+    return [p for p, r in zip(problems, reason) if r == CORRECT], report

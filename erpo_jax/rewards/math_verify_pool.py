@@ -58,6 +58,16 @@ class _SoftTimeout(BaseException):
     `except Exception` handlers cannot swallow it."""
 
 
+def _is_math(parsed: list, numeric: bool = False) -> bool:
+    """Whether math-verify's parse of a gold holds a math object (not only the
+    string it falls back to: '???'), and with `numeric` one free of symbols
+    ('seven' parses to a product of five symbols)."""
+    objects = [x for x in parsed if not isinstance(x, str)]
+    if not numeric:
+        return bool(objects)
+    return any(not getattr(x, "free_symbols", {None}) for x in objects)
+
+
 def _worker_main(conn, soft_timeout_s: float, float_rounding: int, numeric_precision: int):
     """Worker process loop: recv (key, answer, gold); send (key, reason, detail).
 
@@ -102,8 +112,10 @@ def _worker_main(conn, soft_timeout_s: float, float_rounding: int, numeric_preci
             gold_parsed = parse_gold(gold)
             if not gold_parsed:
                 result = (ERROR, f"gold answer {gold[:200]!r} could not be parsed")
-            elif answer is None:  # a check of the gold alone (`check_golds`)
-                result = (CORRECT, "")
+            elif isinstance(answer, tuple):  # a check of the gold alone (`gold_reasons`)
+                ok = _is_math(gold_parsed, numeric=answer[1] == "numeric")
+                result = (CORRECT, "") if ok else (ERROR, f"gold answer {gold[:200]!r} parses "
+                                                          "to no math object")
             else:
                 pred_parsed = _parse(answer)
                 ok = bool(pred_parsed) and verify(
@@ -301,12 +313,20 @@ class MathVerifyPool:
         rewards, reasons = self.verify_batch([(response, gold)])
         return float(rewards[0]), reasons[0]
 
-    def check_golds(self, golds: Sequence[str]) -> list[bool]:
-        """Whether math-verify parses each gold answer (as LaTeX, in the
-        workers, under the per-call time limit; a timeout counts as no)."""
+    def check_golds(self, golds: Sequence[str], numeric: bool = False) -> list[bool]:
+        """Whether math-verify parses each gold answer to a math object (see
+        `gold_reasons`; a timeout counts as no)."""
+        return [r == CORRECT for r in self.gold_reasons(golds, numeric)]
+
+    def gold_reasons(self, golds: Sequence[str], numeric: bool = False) -> list[str]:
+        """Per gold answer: CORRECT when math-verify parses it (as LaTeX, in the
+        workers, under the per-call time limit) to a math object (`numeric`:
+        one without free symbols, a GSM8K answer), ERROR when it does not,
+        TIMEOUT when the verifier ran out of time on it."""
         unique = list(dict.fromkeys(normalize_answer(g) for g in golds))
-        ok = {g: r == CORRECT for g, r in zip(unique, self._run([(None, g) for g in unique]))}
-        return [ok[normalize_answer(g)] for g in golds]
+        kind = ("gold", "numeric" if numeric else "any")
+        out = dict(zip(unique, self._run([(kind, g) for g in unique])))
+        return [out[normalize_answer(g)] for g in golds]
 
     def _run(self, keys: list[tuple[str | None, str]], budget_s: float | None = None
              ) -> list[str]:
@@ -369,7 +389,7 @@ class MathVerifyPool:
                     self._startup_deaths = 0
                     continue
                 t, reason, detail = msg
-                if reason == ERROR and keys[t][0] is not None:  # gold checks report themselves
+                if reason == ERROR and not isinstance(keys[t][0], tuple):   # not gold checks
                     log.warning("verification error for %r: %s", keys[t], detail)
                 out[t] = reason
                 remaining -= 1

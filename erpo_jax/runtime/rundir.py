@@ -185,3 +185,45 @@ def record_config(run_dir: Any, new: dict, normalize: Callable[[dict], dict], re
     row = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "start_step": start_step,
            "changed": [n for n, _, _ in changes], "config": new}
     write_atomic(hist, old_rows + (json.dumps(row) + "\n").encode())
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def is_run_dir(p: Any) -> bool:
+    """Whether `p` holds a training run (`erpo train` / `erpo sft` wrote there)."""
+    p = path(p)
+    return any((p / name).exists() for name in ("metrics.jsonl", "checkpoints",
+                                                "config_history.jsonl"))
+
+
+def check_output_file(p: Any, flag: str) -> None:
+    """Before the work: refuse an output file path that is a directory or whose
+    folder cannot be made, naming `flag` (a ConfigError, rc 2)."""
+    from erpo_jax.train.config import ConfigError
+    p = path(p)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p} is a directory; give the path of a file to write "
+                          f"(e.g. {p / 'report.json'}).")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {p}: its folder cannot be made ({e.strerror or e}).") from None
+    if not is_remote(p) and not os.access(os.fspath(p.parent), os.W_OK):
+        raise ConfigError(f"{flag} {p}: its folder {p.parent} is not writable.")
+
+
+def check_output_dir(p: Any, flag: str) -> None:
+    """Before the work: make output directory `p`, or refuse it (a file, or not
+    writable) naming `flag` (a ConfigError, rc 2)."""
+    from erpo_jax.train.config import ConfigError
+    p = path(p)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {p} is a file, not a directory; give a directory to write "
+                          "the results in.")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {p} cannot be made ({e.strerror or e}).") from None
+    if not is_remote(p) and not os.access(os.fspath(p), os.W_OK):
+        raise ConfigError(f"{flag} {p} is not writable.")

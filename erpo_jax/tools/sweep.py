@@ -71,8 +71,11 @@ def variants(mod: ModuleType, cpu: bool) -> dict[str, RunConfig]:
     elif hasattr(mod, "VARIANTS"):
         out = dict(mod.VARIANTS)
     else:
-        getter = getattr(mod, "get_cpu_config" if cpu else "get_config", None)
-        getter = getter or mod.get_config
+        name = "get_cpu_config" if cpu else "get_config"
+        getter = getattr(mod, name, None)
+        if getter is None:
+            raise ValueError(f"experiment {mod.__file__} defines no {name}()"
+                             + ("; drop --cpu to run its get_config()" if cpu else "") + ".")
         cfg = getter()
         out = {cfg.name: cfg}
     for name, cfg in out.items():
@@ -418,7 +421,15 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    from erpo_jax.train.config import ConfigError
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds {args.seeds!r}: give comma-separated non-negative integers, "
+                          "e.g. --seeds 0,1,2.") from None
+    if not seeds or min(seeds) < 0:
+        raise ConfigError(f"--seeds {args.seeds!r}: give comma-separated non-negative integers, "
+                          "e.g. --seeds 0,1,2.")
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     mod = load_experiment(args.experiment)
     runs = plan(args.experiment, seeds, args.cpu, only, args.runs_root, args.overrides)

@@ -232,8 +232,17 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+class ConfigError(ValueError):
+    """A bad config field, config file or override: `erpo` reports it in one
+    sentence and exits with code 2."""
+
+
 def _fail(field: str, msg: str):
-    raise ValueError(f"config field {field}: {msg}")
+    raise ConfigError(f"config field {field}: {msg}")
+
+
+# The dtypes a model may be stored and computed in (model.config._DTYPES).
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 # Float fields where inf means "no limit"; every other float must be finite.
@@ -251,9 +260,57 @@ def _check_numbers(obj, prefix: str = "") -> None:
             _fail(name, f"must be a finite number, got {v}.")
 
 
+def _type_name(typ) -> str:
+    if typing.get_origin(typ) is tuple:
+        args = typing.get_args(typ)
+        return f"a list of {_type_name(args[0]) if args else 'values'}"
+    if typing.get_origin(typ) in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in typing.get_args(typ))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+            type(None): "null"}.get(typ, getattr(typ, "__name__", str(typ)))
+
+
+def _fits(value, typ) -> bool:
+    """Whether `value` is of the config field type `typ` (an int is a float)."""
+    origin = typing.get_origin(typ)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, a) for a in typing.get_args(typ))
+    if origin is tuple:
+        args = typing.get_args(typ)
+        if not isinstance(value, (tuple, list)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args))
+    if typ is type(None):
+        return value is None
+    if typ is bool:
+        return isinstance(value, bool)
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return not isinstance(typ, type) or isinstance(value, typ)
+
+
+def _check_types(obj, prefix: str = "") -> None:
+    """A field holding a value of another type (a string where a number goes,
+    from a JSON or Python config file) names the field."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v, name, typ = getattr(obj, f.name), f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            if not dataclasses.is_dataclass(v):
+                _fail(name, f"is a section ({typ.__name__}), got {v!r}.")
+            _check_types(v, name + ".")
+        elif not _fits(v, typ):
+            _fail(name, f"expects {_type_name(typ)}, got {v!r}.")
+
+
 def _validate_ranges(cfg: RunConfig) -> None:
     """Numeric ranges the optimizer, sampler, evaluator and checkpointer rely on."""
     r, o, t = cfg.rollout, cfg.optim, cfg.train
+    _check_types(cfg)
     _check_numbers(cfg)
     if r.top_k < 0:
         _fail("rollout.top_k", f"must be >= 0 (0 = no top-k), got {r.top_k}.")
@@ -274,6 +331,29 @@ def _validate_ranges(cfg: RunConfig) -> None:
                     ("train.ckpt_every", t.ckpt_every), ("train.eval_n", t.eval_n)):
         if v < 1:
             _fail(name, f"must be >= 1, got {v}.")
+    m, d = cfg.model, cfg.data
+    for name, v in (("model.logprob_chunk", m.logprob_chunk), ("train.ref_batch_size",
+                    t.ref_batch_size), ("train.eval_max_problems", t.eval_max_problems),
+                    ("data.n_train", d.n_train), ("data.n_test", d.n_test),
+                    ("train.log_every", t.log_every)):
+        if v < 1:
+            _fail(name, f"must be >= 1, got {v}.")
+    for name, v in (("train.seed", t.seed), ("data.seed", d.seed),
+                    ("rollout.min_new_tokens", r.min_new_tokens),
+                    ("train.samples_per_eval", t.samples_per_eval)):
+        if v < 0:
+            _fail(name, f"must be >= 0, got {v}.")
+    for name, v in (("model.param_dtype", m.param_dtype),
+                    ("model.compute_dtype", m.compute_dtype)):
+        if v not in DTYPES:
+            _fail(name, f"is {v!r}; use one of {list(DTYPES)}.")
+    if d.eval_benchmarks:
+        from erpo_jax.data.benchmarks import BENCHMARKS
+        unknown = [b for b in d.eval_benchmarks if b not in BENCHMARKS]
+        if unknown:
+            _fail("data.eval_benchmarks", f"{', '.join(map(repr, unknown))} "
+                  f"{'is' if len(unknown) == 1 else 'are'} not a benchmark; choose from "
+                  f"{sorted(BENCHMARKS)}.")
     if t.drift_every > 0 and t.drift_queries < 1:
         _fail("train.drift_queries", f"must be >= 1 when train.drift_every > 0, got "
               f"{t.drift_queries}.")
@@ -304,6 +384,9 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
         _fail("model.init", f"is {m.init!r}; use 'sft', 'hf' or 'random'.")
     if m.init in ("sft", "hf") and not m.path:
         _fail("model.path", f"is empty but model.init={m.init!r} needs a checkpoint directory.")
+    if m.init in ("sft", "hf"):
+        from erpo_jax.train.policy import check_model_dir
+        check_model_dir(m.path)   # a run directory where its <dir>/model is meant
     if d.task not in ("arithmetic", "jsonl"):
         _fail("data.task", f"is {d.task!r}; use 'arithmetic' or 'jsonl'.")
     if not 0 <= d.sft_slip <= 1:
@@ -426,7 +509,8 @@ def apply_overrides(cfg, overrides: list[str]):
     """Return cfg with `a.b.c=value` overrides applied (typed by the dataclass)."""
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.field=value.")
+            raise ConfigError(f"override {item!r} has no '=': write section.field=value (e.g. "
+                              "train.steps=10).")
         path, text = item.split("=", 1)
         cfg = _replace_path(cfg, path.strip().split("."), text.strip(), path.strip())
     return cfg
@@ -448,47 +532,91 @@ def _replace_path(obj, parts: list[str], text: str, full: str):
         _fail(full, str(e))
 
 
-def from_dict(cls, data: dict):
-    """Build a (nested) config dataclass from a dict, e.g. a saved config.json."""
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build a (nested) config dataclass from a dict, e.g. a saved config.json;
+    a value of the wrong type, or an unknown field, names its dotted field."""
+    if not isinstance(data, dict):
+        _fail(prefix.rstrip(".") or "(the whole config)",
+              f"is a section ({cls.__name__}), expected an object of fields, got {data!r}.")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for k, v in data.items():
+        name = f"{prefix}{k}"
         if k not in hints:
-            _fail(f"{cls.__name__}.{k}", "is not a known field.")
+            _fail(name if prefix else f"{cls.__name__}.{k}", "is not a known field.")
         t = hints[k]
         if dataclasses.is_dataclass(t):
-            v = from_dict(t, v)
-        elif typing.get_origin(t) is tuple or (typing.get_origin(t) in (types.UnionType,) and
-                                               isinstance(v, list)):
+            v = from_dict(t, v, name + ".")
+        elif not _fits(v, t):
+            _fail(name, f"expects {_type_name(t)}, got {v!r}.")
+        elif isinstance(v, list):
             v = tuple(v)
         kwargs[k] = v
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:   # a section's own check (e.g. LossConfig)
+        if isinstance(e, ConfigError):
+            raise
+        _fail(prefix.rstrip(".") or cls.__name__, str(e))
 
 
 def load_experiment(path: str | Path) -> types.ModuleType:
     """Import an experiment file by path (experiments/ is not a package)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"experiment file {path} does not exist.")
+        raise ConfigError(f"config file {path} does not exist (or is not a file); give --config "
+                          "an experiment .py file or a config.json.")
     spec = importlib.util.spec_from_file_location(f"erpo_experiment_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path} has a syntax error at line {e.lineno}: "
+                          f"{e.msg}.") from None
+    except Exception as e:  # noqa: BLE001 - the user's file: one sentence naming it
+        raise ConfigError(f"config file {path} failed to import ({type(e).__name__}: "
+                          f"{e}).") from None
     return mod
 
 
 def load_config(path: str | None, overrides: list[str] = (), cpu: bool = False) -> RunConfig:
-    """Load an experiment file (.py with get_config / get_cpu_config, or .json)."""
+    """Load an experiment file (.py with get_config / get_cpu_config, or .json).
+    `cpu` needs the file's get_cpu_config (a .json config has none)."""
     if path is None:
+        if cpu:
+            raise ConfigError("--cpu picks the config file's get_cpu_config(), but no --config "
+                              "was given; drop --cpu or pass --config FILE.")
         cfg = RunConfig()
     elif str(path).endswith(".json"):
-        cfg = from_dict(RunConfig, json.loads(Path(path).read_text()))
+        if cpu:
+            raise ConfigError(f"--cpu picks a config file's get_cpu_config(), but {path} is a "
+                              "JSON config; drop --cpu.")
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist (or is not a file).")
+        try:
+            data = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} is not valid JSON ({e}).") from None
+        try:
+            cfg = from_dict(RunConfig, data)
+        except ConfigError as e:
+            raise ConfigError(f"{str(e).rstrip('.')} (in {path}).") from None
     else:
         mod = load_experiment(path)
-        getter = getattr(mod, "get_cpu_config", None) if cpu else None
-        getter = getter or getattr(mod, "get_config", None)
+        name = "get_cpu_config" if cpu else "get_config"
+        getter = getattr(mod, name, None)
         if getter is None:
-            raise ValueError(f"config file {path} defines no get_config().")
+            hint = " (drop --cpu to use its get_config())" if cpu and hasattr(
+                mod, "get_config") else ""
+            raise ConfigError(f"config file {path} defines no {name}(){hint}.")
         cfg = getter()
+        if not isinstance(cfg, RunConfig):
+            raise ConfigError(f"config file {path}: {name}() returned a "
+                              f"{type(cfg).__name__}, not a RunConfig.")
+        try:
+            _check_types(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{str(e).rstrip('.')} (in {path} {name}()).") from None
     return apply_overrides(cfg, list(overrides))
 
 

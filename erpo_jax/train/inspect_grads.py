@@ -66,6 +66,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     """The command: real batch with --config/--checkpoint, else the synthetic inspector."""
+    if args.json:   # before the work, which a bad output path would otherwise lose
+        from erpo_jax.runtime.rundir import check_output_file
+        check_output_file(args.json, "--json")
     if args.config is None and args.checkpoint is None:
         if args.overrides:
             raise SystemExit("inspect-grads: section.field=value overrides need --config.")
@@ -78,17 +81,23 @@ def run(args: argparse.Namespace) -> dict:
         names = ", ".join("--" + f.replace("_", "-") for f in flags)
         raise SystemExit(f"inspect-grads: {names} set the synthetic batch's loss; with --config "
                          "the run's loss is used (override it with loss.<field>=value).")
-    from erpo_jax.train.config import load_config
+    from erpo_jax.train.config import ConfigError, load_config
+    from erpo_jax.train.policy import check_model_dir
+    cfg = load_config(args.config, args.overrides, cpu=args.cpu)   # a bad field: rc 2
+    for flag in ("checkpoint", "reference"):
+        if getattr(args, flag):
+            check_model_dir(getattr(args, flag), "--" + flag)
     try:
-        cfg = load_config(args.config, args.overrides, cpu=args.cpu)
         report = inspect_run(cfg, args.checkpoint, reference=args.reference,
                              queries=args.queries, step=args.step, unit=args.unit,
                              config_name=args.config + (" (get_cpu_config)" if args.cpu else ""))
+    except ConfigError:
+        raise
     except (OSError, ValueError) as e:
         raise SystemExit(f"inspect-grads: {e}") from None
-    print(grad_flow.format_table(report))
-    if args.json:
+    if args.json:   # written first: nothing after the computation can lose it
         grad_flow.write_json(report, args.json)
+    print(grad_flow.format_table(report))
     return report
 
 

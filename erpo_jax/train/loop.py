@@ -31,6 +31,7 @@ from erpo_jax.rl.query_kl import query_kl
 from erpo_jax.rl.shaping import per_response
 from erpo_jax.rollout.sampler import rollout_key
 from erpo_jax.runtime import rundir
+from erpo_jax.runtime.run_lock import RunLock
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
@@ -110,6 +111,8 @@ class Trainer:
         self.primary = jax.process_index() == 0
         self.run_dir = rundir.path(t.out_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.primary:   # one run per directory, before anything is written there
+            self.lock = RunLock(self.run_dir, "erpo train")
         self.ckpt = ckpt_lib.Checkpointer(self.run_dir / "checkpoints", t.keep_checkpoints,
                                           t.ckpt_every)
         latest = self.ckpt.latest_step()
@@ -526,7 +529,7 @@ class Trainer:
     def close(self) -> None:
         """Release what was built (also of a half-built Trainer whose constructor raised)."""
         self._wait_for_compile()
-        for part in ("task", "ckpt"):
+        for part in ("task", "ckpt", "lock"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
 

@@ -30,12 +30,26 @@ def build_sharding(cfg: RunConfig) -> Sharding:
     return Sharding(distributed.mesh_for(data=data, fsdp=fsdp, tensor=tensor))
 
 
+def check_model_dir(path, what: str = "model.path") -> None:
+    """Refuse, naming `what`, a run directory given where its exported model
+    directory (`<dir>/model`) is meant; other problems are the loader's."""
+    p = rundir.path(path)
+    if rundir.is_remote(p) or (p / "config.json").is_file():
+        return
+    if (p / MODEL_SUBDIR / "config.json").is_file():
+        field = "config field model.path: " if what == "model.path" else ""
+        from erpo_jax.train.config import ConfigError
+        raise ConfigError(f"{field}{what} {path} is a run directory, not a model directory; its "
+                          f"exported model is {p / MODEL_SUBDIR}: pass that.")
+
+
 def load_policy(cfg: RunConfig, sharding: Sharding | None):
     """(ModelConfig, params, Tokenizer) for `cfg.model`, parameters in their sharding."""
     m = cfg.model
     numerics = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
                     scan_layers=m.scan_layers)
     if m.init in ("sft", "hf"):
+        check_model_dir(m.path)
         model_cfg, params = load_hf(m.path, sharding=sharding, **numerics)
         tokenizer = load_tokenizer(m.path)
     else:

@@ -21,6 +21,7 @@ from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.runtime import rundir
+from erpo_jax.runtime.run_lock import RunLock
 from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.metrics import MetricsWriter
@@ -64,13 +65,23 @@ def run_sft(cfg: RunConfig) -> dict:
     compile_cache.configure(cfg.train.compile_cache)
     sharding = build_sharding(cfg)
     validate(cfg, jax.device_count())
-    t, o = cfg.train, cfg.optim
+    t = cfg.train
     if t.batch_size % sharding.data_size:
         raise ValueError(f"config field train.batch_size: {t.batch_size} SFT sequences per step "
                          f"are not divisible by the data-parallel size {sharding.data_size}.")
     run_dir = rundir.path(t.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     primary = jax.process_index() == 0
+    lock = RunLock(run_dir, "erpo sft") if primary else None   # one run per directory
+    try:
+        return _run_sft(cfg, sharding, run_dir, primary)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _run_sft(cfg: RunConfig, sharding, run_dir, primary: bool) -> dict:
+    t, o = cfg.train, cfg.optim
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, t.ckpt_every)
     task = None
     try:

@@ -196,18 +196,24 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
     from erpo_jax.data.templates import format_prompt
     from erpo_jax.rewards.math_verify_pool import MathVerifyPool
     d, t, rw = cfg.data, cfg.train, cfg.reward
+    lines: list[int] = []
     loaded = load_training_file(d.train_file, d.question_field, d.answer_field, d.answer_format,
-                                solution_field=d.solution_field, skip_bad_rows=d.skip_bad_rows)
+                                solution_field=d.solution_field, skip_bad_rows=d.skip_bad_rows,
+                                lines=lines)
     evals = {name: load_benchmark(name, d.benchmarks_dir).problems for name in d.eval_benchmarks}
     pool = MathVerifyPool(num_workers=rw.workers, timeout_s=rw.timeout_s)
     try:
-        train, report = drop_unparseable(loaded.problems, pool.check_golds(
-            [p.answer for p in loaded.problems]), f"data.train_file {d.train_file}",
-            d.skip_bad_rows)
+        numeric = d.answer_format == "gsm8k"   # GSM8K's answers are numbers
+        train, report = drop_unparseable(
+            loaded.problems, pool.gold_reasons([p.answer for p in loaded.problems], numeric),
+            f"data.train_file {d.train_file}", d.skip_bad_rows, lines=lines, path=d.train_file,
+            numeric=numeric)
         report["bad_rows"] = loaded.skipped
-        if report["bad_rows"] or report["unparseable"]:
+        if report["bad_rows"] or report["unparseable"] or report.get("timed_out"):
+            slow = (f" and {report['timed_out']} whose check ran out of time (reward.timeout_s)"
+                    if report.get("timed_out") else "")
             print(f"{d.train_file}: dropped {report['bad_rows']} bad rows and "
-                  f"{report['unparseable']} golds math-verify cannot parse (first ids: "
+                  f"{report['unparseable']} golds math-verify cannot parse{slow} (first ids: "
                   f"{report['first_ids']}); {len(train)} problems left (data.skip_bad_rows).",
                   flush=True)
         if d.n_val:
