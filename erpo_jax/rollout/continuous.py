@@ -429,6 +429,10 @@ class ContinuousEngine:
         for name, lowered in self.lower(params, num_prompts, longest_prompt, max_prompts):
             lowered.compile()
 
+    def compile_sample(self, params, prompts: Sequence[Sequence[int]], max_prompts: int = 0):
+        """Compile what `sample(params, prompts, key, max_prompts)` runs."""
+        self.compile(params, len(prompts), max(len(p) for p in prompts), max_prompts)
+
     def lower(self, params, num_prompts: int, longest_prompt: int, max_prompts: int = 0):
         """[(name, Lowered)] of every program a call runs at these shapes."""
         B, P = self.batch_shape(num_prompts, longest_prompt)

@@ -806,6 +806,15 @@ class Sampler:
         reuses the executable."""
         self.lower(params, num_prompts, longest_prompt).compile()
 
+    def compile_sample(self, params, prompts: Sequence[Sequence[int]], max_prompts: int = 0):
+        """Compile what `sample(params, prompts, key, max_prompts)` runs: one
+        program per distinct shape of its calls."""
+        step = max_prompts if max_prompts > 0 else len(prompts)
+        shapes = {self.batch_shape(len(c), max(len(p) for p in c))
+                  for c in (prompts[i:i + step] for i in range(0, len(prompts), step))}
+        for B, P in sorted(shapes):
+            self.compile(params, B, P)
+
     def run(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array) -> tuple[Rollout, int]:
         """(Rollout of device arrays over B' * G rows, number of real rows B * G).
 

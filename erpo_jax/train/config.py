@@ -23,6 +23,7 @@ from typing import Any
 
 from erpo_jax.rl.loss import LossConfig
 from erpo_jax.rl.weights import W_MAX, W_MIN
+from erpo_jax.rollout.engine import ENGINES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +126,17 @@ class RolloutSection:
     # (rollout.sampler.cache_phase_lengths); each phase compiles the decode
     # step once more. 1 = one loop over the whole cache.
     cache_phases: int = 4
+    # The rollout engine (rollout.engine): 'static' (a call's rows decode
+    # together until the longest ends) or 'continuous' (a pool of decode slots,
+    # each refilled by the next pending sample when its sample ends; the same
+    # samples for the same key). README "Choosing a rollout engine".
+    engine: str = "static"
+    # The continuous engine's decode slots (0: the static engine's rows per
+    # call, max_prompts_per_call (or the batch) x group_size, rounded up to the
+    # data-parallel size), and the free slots at which it stops decoding to
+    # refill them (0: slots / 16, at least 1).
+    slots: int = 0
+    refill: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +326,12 @@ def _validate_ranges(cfg: RunConfig) -> None:
     _check_numbers(cfg)
     if r.top_k < 0:
         _fail("rollout.top_k", f"must be >= 0 (0 = no top-k), got {r.top_k}.")
+    if r.engine not in ENGINES:
+        _fail("rollout.engine", f"is {r.engine!r}; the engines are "
+              f"{', '.join(repr(e) for e in ENGINES)}.")
+    for name in ("slots", "refill"):
+        if getattr(r, name) < 0:
+            _fail(f"rollout.{name}", f"must be >= 0 (0 = automatic), got {getattr(r, name)}.")
     if r.cache_phases < 1:
         _fail("rollout.cache_phases", f"must be >= 1 (1 = the whole cache from the start), "
               f"got {r.cache_phases}.")

@@ -14,7 +14,7 @@ import numpy as np
 
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding
-from erpo_jax.rollout.sampler import Sampler, SamplingConfig, rollout_key
+from erpo_jax.rollout.sampler import SamplingConfig, rollout_key
 from erpo_jax.runtime import rundir
 from erpo_jax.train.config import RunConfig
 from erpo_jax.train.tasks import Task
@@ -30,15 +30,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def eval_samplers(model_cfg: ModelConfig, cfg: RunConfig, eos_ids, pad_id: int,
-                  sharding: Sharding | None = None) -> tuple[Sampler, Sampler | None]:
-    """(greedy sampler, sampled sampler or None when train.eval_n == 1) of the evaluation."""
+                  sharding: Sharding | None = None):
+    """(greedy engine, sampled engine or None when train.eval_n == 1) of the
+    evaluation, of the run's `rollout.engine`."""
+    from erpo_jax.train.programs import rollout_engine
     t, r = cfg.train, cfg.rollout
     common = dict(max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids), pad_id=pad_id,
                   max_prompt_len=cfg.data.max_prompt_len, cache_phases=r.cache_phases)
-    greedy = Sampler(model_cfg, SamplingConfig(num_samples=1, greedy=True, **common), sharding)
+    greedy = rollout_engine(cfg, model_cfg, SamplingConfig(num_samples=1, greedy=True, **common),
+                            sharding)
     sampled = None
     if t.eval_n > 1:
-        sampled = Sampler(model_cfg, SamplingConfig(
+        sampled = rollout_engine(cfg, model_cfg, SamplingConfig(
             num_samples=t.eval_n, temperature=t.eval_temperature, **common), sharding)
     return greedy, sampled
 
@@ -49,7 +52,7 @@ class Evaluator:
 
     def __init__(self, model_cfg: ModelConfig, task: Task, cfg: RunConfig,
                  sharding: Sharding | None = None, max_problems: int | None = None,
-                 samplers: tuple[Sampler, Sampler | None] | None = None):
+                 samplers: tuple | None = None):
         t, tok = cfg.train, task.tokenizer
         self.task, self.cfg = task, cfg
         self.max_problems = max_problems or t.eval_max_problems

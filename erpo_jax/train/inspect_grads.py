@@ -116,13 +116,13 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
     from erpo_jax.rl.advantages import gae
     from erpo_jax.rl.batch import as_jax, validate_batch
     from erpo_jax.rl.shaping import per_response, shaped_advantages
-    from erpo_jax.rollout.sampler import Sampler, rollout_key
+    from erpo_jax.rollout.sampler import rollout_key
     from erpo_jax.train.config import validate
     from erpo_jax.train.host import sample
     from erpo_jax.train.loop import rollout_to_batch
     from erpo_jax.train.methods import describe
     from erpo_jax.train.policy import build_sharding, load_policy
-    from erpo_jax.train.programs import rollout_sampling
+    from erpo_jax.train.programs import rollout_engine, rollout_sampling
     from erpo_jax.train.tasks import load_task
     from erpo_jax.train.train_step import make_logprob_fn
 
@@ -164,7 +164,8 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
         weights = ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min, a.weight_max)
         idx = QueryBatchIterator(len(task.train), t.batch_size, t.seed).batch_at(step)[:queries]
         prompts = [task.train_prompts[i] for i in idx]
-        sampler = Sampler(model_cfg, rollout_sampling(cfg, tok.eos_ids, tok.pad_id), sharding)
+        sampler = rollout_engine(cfg, model_cfg, rollout_sampling(cfg, tok.eos_ids, tok.pad_id),
+                                 sharding)
         key = rollout_key(jax.random.fold_in(jax.random.key(t.seed), 1), step)
         ro = sample(sampler, params, prompts, key, r.max_prompts_per_call)
         texts = tok.decode_responses(ro.response_tokens, ro.response_mask)

@@ -251,10 +251,8 @@ class Trainer:
         """(name, compile function) for step `step`, in the order the step runs them."""
         state, batch, critic = self.update_arguments(step)
         prompts = self._prompts_at(step)
-        chunk = self.cfg.rollout.max_prompts_per_call or len(prompts)
-        jobs = [("rollout", lambda c=c: self.sampler.compile(
-            state.params, len(c), max(len(p) for p in c)))
-            for c in (prompts[i:i + chunk] for i in range(0, len(prompts), chunk))]
+        jobs = [("rollout", lambda: self.sampler.compile_sample(
+            state.params, prompts, self.cfg.rollout.max_prompts_per_call))]
         T = batch.tokens.shape[1]
         if self.cfg.loss.needs_ref_logp:
             jobs.append(("reference forward",
@@ -301,6 +299,7 @@ class Trainer:
                     rollout_key(self._rollout_seed, step),
                     cfg.rollout.max_prompts_per_call)
         times["time/rollout"] = time.perf_counter() - t0
+        times.update({f"rollout/{k}": v for k, v in self.sampler.last_stats.items()})
         batch = rollout_to_batch(ro, np.zeros(ro.response_tokens.shape[0], np.float32), idx,
                                  self.ref_cache, self.weights, G)
         lc, a = cfg.loss, cfg.algo

@@ -32,7 +32,8 @@ from erpo_jax.rl import critic as critic_lib
 from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch
 from erpo_jax.rl.shaping import is_token_level, shaped_advantages
-from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+from erpo_jax.rollout.engine import make_engine
+from erpo_jax.rollout.sampler import SamplingConfig
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig
 from erpo_jax.train.evaluate import eval_samplers
@@ -51,6 +52,17 @@ class Program:
 
 def _abstract(x, sharding=None):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def rollout_engine(cfg: RunConfig, model_cfg: ModelConfig, sampling: SamplingConfig,
+                   sharding: Sharding | None):
+    """The rollout engine `rollout.engine` names, for `sampling`: the static
+    sampler, or the continuous engine with `rollout.slots` slots (default the
+    static engine's rows per call)."""
+    r = cfg.rollout
+    rows = (r.max_prompts_per_call or cfg.train.batch_size) * sampling.num_samples
+    return make_engine(r.engine, model_cfg, sampling, sharding, slots=r.slots, refill=r.refill,
+                       rows_per_call=rows)
 
 
 def rollout_sampling(cfg: RunConfig, eos_ids: Sequence[int], pad_id: int) -> SamplingConfig:
@@ -86,7 +98,8 @@ class Programs:
             group_size=self.G, temperature=r.temperature, chunk_size=chunk, sharding=sharding,
             state_shardings=self.state_shardings, schedule=self.schedule,
             response_width=r.max_new_tokens, share_query=self.query_group > 1)
-        self.sampler = Sampler(model_cfg, rollout_sampling(cfg, eos_ids, pad_id), sharding)
+        self.sampler = rollout_engine(cfg, model_cfg, rollout_sampling(cfg, eos_ids, pad_id),
+                                      sharding)
         self.eval_greedy, self.eval_sampled = eval_samplers(model_cfg, cfg, eos_ids, pad_id,
                                                             sharding)
         self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding,

@@ -1,0 +1,152 @@
+"""Rollout engines: the continuous-batching engine returns the static sampler's
+samples (same tokens, log-probs to float rounding, same masks, lengths and
+truncation flags) whatever its pool size and refill order, sharded or not,
+keyed as the static engine's calls of max_prompts_per_call; the seam's
+config field and the bad inputs it refuses."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from erpo_jax.model import model as model_lib
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.sharding import Sharding, make_mesh
+from erpo_jax.rollout.continuous import ContinuousEngine
+from erpo_jax.rollout.engine import ENGINES, make_engine
+from erpo_jax.rollout.sampler import Rollout, Sampler, SamplingConfig
+
+CFG = ModelConfig()          # the tiny preset: vocab 256, 2 layers
+KEY = jax.random.key(7)
+# 16 of 256 tokens end a response: with the flattened head below, lengths are
+# about geometric with mean 16, so a batch has EOS at step 0 and rows that hit
+# max_new_tokens.
+EOS = tuple(range(5, 21))
+
+
+@pytest.fixture(scope="module")
+def params():
+    p = model_lib.init_params(CFG, jax.random.key(0))
+    return {**p, "lm_head": p["lm_head"] * 0.5}
+
+
+def _prompts(n: int, seed: int = 0, vocab: int = CFG.vocab_size):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(21, vocab, size=k).tolist() for k in rng.integers(2, 14, size=n)]
+
+
+def assert_same_samples(a: Rollout, b: Rollout, what: str = "") -> None:
+    """b holds a's samples: every field equal, log-probs to float rounding."""
+    for f in Rollout._fields:
+        x, y = np.asarray(getattr(a, f)), np.asarray(getattr(b, f))
+        if f == "logp":
+            np.testing.assert_allclose(x, y, atol=2e-5, rtol=0, err_msg=f"{what} {f}")
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=f"{what} {f}")
+
+
+SC = SamplingConfig(max_new_tokens=40, num_samples=4, eos_ids=EOS, top_k=50)
+PROMPTS = _prompts(7)     # 28 samples: no pool size below divides them
+
+
+@pytest.fixture(scope="module")
+def static_run(params):
+    sampler = Sampler(CFG, SC)
+    return sampler.sample(params, PROMPTS, KEY), sampler.last_stats
+
+
+@pytest.fixture(scope="module")
+def static_out(static_run):
+    return static_run[0]
+
+
+def test_the_batch_has_varied_lengths(static_out):
+    """The premise of the equality tests: EOS at step 0, rows at max_new_tokens."""
+    lengths = static_out.lengths
+    assert lengths.min() == 1 and lengths.max() == SC.max_new_tokens, lengths
+    assert static_out.truncated.any() and not static_out.truncated.all()
+
+
+@pytest.mark.parametrize("slots", [1, 3, 4, 9, 64])   # below, at and above G = 4
+def test_continuous_equals_static_for_any_pool(params, static_run, slots):
+    static_out, static_stats = static_run
+    engine = ContinuousEngine(CFG, SC, slots=slots)
+    out = engine.sample(params, PROMPTS, KEY)
+    assert_same_samples(static_out, out, f"slots={slots}")
+    stats = engine.last_stats
+    # Every decode step samples a token for at least one slot.
+    useful = int((static_out.lengths - 1).sum())
+    assert stats["decode_steps"] <= useful
+    assert stats["slot_utilization"] == pytest.approx(useful / (slots * stats["decode_steps"]))
+    if slots <= 9:     # refilled pools idle less than the static call's rows
+        assert stats["slot_utilization"] > static_stats["slot_utilization"]
+
+
+def test_refill_order_does_not_change_samples(params, static_out):
+    """Refilling after every finished sample or only when half the pool is
+    free reorders which slot runs which sample, not the samples."""
+    for refill in (1, 4):
+        out = ContinuousEngine(CFG, SC, slots=8, refill=refill).sample(params, PROMPTS, KEY)
+        assert_same_samples(static_out, out, f"refill={refill}")
+
+
+@pytest.mark.parametrize("change", [dict(method="gumbel", top_k=0, top_p=0.9),
+                                    dict(greedy=True, min_new_tokens=3),
+                                    dict(max_new_tokens=1)])
+def test_continuous_equals_static_other_samplings(params, change):
+    sc = SamplingConfig(**{**SC.__dict__, **change})
+    want = Sampler(CFG, sc).sample(params, PROMPTS, KEY)
+    got = ContinuousEngine(CFG, sc, slots=5).sample(params, PROMPTS, KEY)
+    assert_same_samples(want, got, str(change))
+
+
+def test_max_prompts_keys_as_the_static_calls(params):
+    """With max_prompts_per_call the continuous engine draws what the static
+    engine's calls of that many prompts draw (chunk c keyed fold_in(key, c)),
+    in one pool over all prompts."""
+    want = Sampler(CFG, SC).sample(params, PROMPTS, KEY, max_prompts=3)
+    engine = ContinuousEngine(CFG, SC, slots=6)
+    got = engine.sample(params, PROMPTS, KEY, max_prompts=3)
+    # The static calls padded their prompts to their own buckets; joined, the
+    # width is the longest call's, as the continuous engine's one call.
+    assert_same_samples(want, got, "max_prompts=3")
+
+
+def test_no_retrace_and_a_handful_of_programs(params):
+    engine = ContinuousEngine(CFG, SC, slots=6)
+    engine.sample(params, PROMPTS, KEY)
+    traces = engine.num_traces
+    assert traces <= 7, traces   # start, weights, decode and a few insert sizes
+    engine.sample(params, PROMPTS, jax.random.key(8))
+    assert engine.num_traces == traces
+
+
+@pytest.mark.parametrize("mesh", [(4, 2, 1), (2, 1, 2)])
+def test_sharded_equals_static(params, static_out, mesh):
+    sh = Sharding(make_mesh(mesh))
+    p = jax.device_put(params, model_lib.param_shardings(CFG, sh))
+    out = ContinuousEngine(CFG, SC, sh, slots=8).sample(p, PROMPTS, KEY)
+    assert_same_samples(static_out, out, f"mesh={mesh}")
+
+
+def test_bad_pools_are_refused_naming_the_field():
+    sh = Sharding(make_mesh((4, 1, 1)))
+    with pytest.raises(ValueError, match=r"rollout.slots \(6\).*multiple of the data-parallel "
+                                         r"size 4.*Set it to 8"):
+        ContinuousEngine(CFG, SC, sh, slots=6)
+    with pytest.raises(ValueError, match="rollout.engine is 'vllm'; the engines are 'static', "
+                                         "'continuous'"):
+        make_engine("vllm", CFG, SC)
+    assert set(ENGINES) == {"static", "continuous"}
+    # The automatic pool: the static engine's rows per call, on the data axes.
+    assert make_engine("continuous", CFG, SC, sh, rows_per_call=10).slots == 12
+
+
+def test_config_validation_names_engine_fields():
+    from erpo_jax.train.config import RunConfig, apply_overrides, validate
+    for bad, match in (("rollout.engine=paged", "rollout.engine.*'static', 'continuous'"),
+                       ("rollout.slots=-1", "rollout.slots.*>= 0"),
+                       ("rollout.refill=-2", "rollout.refill.*>= 0")):
+        with pytest.raises(ValueError, match=match):
+            validate(apply_overrides(RunConfig(), [bad]))
