@@ -299,3 +299,28 @@ def test_a_failed_checkpoint_save_is_one_sentence(tmp_path):
             and "rerunning the same command starts at step 0" in lines[-1]) or (
         "exporting the final policy" in lines[-1] and "rerunning the same command" in lines[-1])
     assert _steps(run / "metrics.jsonl") == [1, 2]
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, finished,
+                                                                         capsys):
+    """A truncated file in the latest checkpoint (issue 36): it is moved aside,
+    said so, and the run resumes from the one before, redoing the steps between."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    shutil.rmtree(run / "model")
+    files = sorted((p for p in (run / "checkpoints" / "4").rglob("*") if p.is_file()),
+                   key=lambda p: p.stat().st_size)
+    big = files[-1]
+    big.write_bytes(big.read_bytes()[:big.stat().st_size // 2])
+    capsys.readouterr()
+    cfg = load_config(None, _args(run, "train.steps=4", "train.ckpt_every=2",
+                                  "train.eval_every=2"))
+    seen = []
+    assert train(cfg, on_step=lambda s, r: seen.append(s))["status"] == "done"
+    out = capsys.readouterr().out
+    assert "the checkpoint of step 4" in out and "cannot be restored" in out
+    assert "resuming from step 2, the newest intact checkpoint: steps 3-4 are redone" in out
+    assert seen == [3, 4] and _steps(run / "metrics.jsonl") == [1, 2, 3, 4]
+    assert (run / "broken_checkpoints" / "4").is_dir() and (run / "model").is_dir()
+    assert [r["step"] for r in rundir.read_jsonl(run / "evals.jsonl")] == [0, 2, 4]

@@ -259,3 +259,49 @@ def test_validation_rows_are_held_out_of_a_training_file(tmp_path, tok_dir):
     assert {p.id for p in task.drift_set} == val      # drift on validation, no further hold-out
     with pytest.raises(ValueError, match=r"config field data\.n_val: holding 18 .*lower"):
         load_task(_cfg(tmp_path, tok_dir, train, "data.n_val=18"), tok)
+
+
+def test_golds_that_parse_to_no_math_object_are_refused_with_file_and_line(tmp_path, tok_dir,
+                                                                          pool, capsys):
+    """'#### ???' parses to math-verify's bare string fallback and '#### seven' to a
+    product of five symbols: no response can score on either (issue 36)."""
+    golds = ["18", "???", "seven", "x+1", "\\frac{1}{2}", "\\{1, 2\\}"]
+    assert pool.check_golds(golds) == [True, False, True, True, True, True]
+    assert pool.check_golds(golds, numeric=True) == [True, False, False, False, True, True]
+    rows = [{"question": f"q{i}", "answer": f"{i} apples.\n#### {i}"} for i in range(6)]
+    rows[1]["answer"], rows[3]["answer"] = "Unknown.\n#### ???", "She has\n#### seven"
+    train = _write(tmp_path / "gsm.jsonl", rows)
+    cfg = _cfg(tmp_path, tok_dir, train, "data.answer_format=gsm8k", "train.drift_every=0")
+    tok = load_tokenizer(tok_dir)
+    with pytest.raises(ValueError, match=rf"cannot parse 2 of 6 gold answers \(first: "
+                                         rf"{train}:2 \('\?\?\?'\), {train}:4 \('seven'\)\) "
+                                         r"to a number;.*data\.skip_bad_rows=true"):
+        load_task(cfg, tok)
+    task = load_task(apply_overrides(cfg, ["data.skip_bad_rows=true"]), tok)
+    task.close()
+    assert [p.answer for p in task.train] == ["0", "2", "4", "5"]
+    assert task.load_report["unparseable"] == 2
+    assert "2 golds math-verify cannot parse" in capsys.readouterr().out
+
+
+def test_a_verifier_timeout_is_named_as_the_verifiers(tmp_path, tok_dir, monkeypatch):
+    """reward.timeout_s too short for the gold check is not 'cannot parse' (issue 36)."""
+    from erpo_jax.rewards.outcome import CORRECT, TIMEOUT
+    monkeypatch.setattr(MathVerifyPool, "_run", lambda self, keys, budget_s=None:
+                        [TIMEOUT] * len(keys))
+    train = _write(tmp_path / "t.jsonl", [{"question": f"q{i}", "answer": str(i)}
+                                          for i in range(6)])
+    tok = load_tokenizer(tok_dir)
+    for extra in ([], ["data.skip_bad_rows=true"]):   # dropping every row is no fix
+        cfg = _cfg(tmp_path, tok_dir, train, "train.drift_every=0", *extra)
+        with pytest.raises(ValueError, match=r"config field reward\.timeout_s: math-verify ran "
+                                             r"out of time on 6 of 6 gold answers .*verifier's "
+                                             r"time limit, not the data"):
+            load_task(cfg, tok)
+    probs = [Problem(f"t/{i}", "q", str(i), "t") for i in range(3)]
+    reasons = [CORRECT, TIMEOUT, CORRECT]
+    with pytest.raises(ValueError, match="reward.timeout_s"):
+        drop_unparseable(probs, reasons, "t.jsonl", skip_bad_rows=False)
+    kept, report = drop_unparseable(probs, reasons, "t.jsonl", skip_bad_rows=True)
+    assert [p.id for p in kept] == ["t/0", "t/2"]
+    assert report == {"unparseable": 0, "first_ids": ["t/1"], "timed_out": 1}

@@ -139,6 +139,34 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
 
+    def restore_newest_intact(self, state_like: Any) -> tuple[Any, dict, list]:
+        """(state, meta, broken) from the newest checkpoint that restores, where
+        broken lists (step, exception) of the newer ones that did not (a
+        truncated or corrupt file). When none restores, the latest's exception
+        is raised: then no checkpoint fits this config, nothing is corrupt."""
+        broken = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(state_like, step)
+            except Exception as e:  # noqa: BLE001 - told apart below: corrupt or misfit
+                broken.append((step, e))
+                continue
+            return state, meta, broken
+        if not broken:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        raise broken[0][1]
+
+    def set_aside(self, step: int) -> epath.Path:
+        """Move checkpoint `step` out of the manager's directory (to
+        `<run>/broken_checkpoints/<step>`, kept for a look, never deleted)."""
+        dest = self.directory.parent / "broken_checkpoints" / str(step)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.exists():
+            dest = dest.parent / f"{step}-{len(list(dest.parent.iterdir()))}"
+        (self.directory / str(step)).rename(dest)
+        self.manager.reload()
+        return dest
+
     def close(self) -> None:
         self.manager.close()
 

@@ -187,17 +187,7 @@ class Trainer:
         self._rollout_seed = jax.random.fold_in(self.seed_key, 1)   # once, not every step
         self.writer = MetricsWriter(self.run_dir, self.primary, t.tensorboard)
         if latest is not None:
-            try:
-                self.state, meta = self.ckpt.restore(self.state, latest)
-            except Exception as e:  # noqa: BLE001 - a sentence, not orbax's traceback
-                cause = str(ckpt_lib.root_cause(e)).strip().split(". ")[:1] or [""]
-                raise ValueError(
-                    f"the checkpoint of step {latest} in {self.ckpt.directory} does not fit the "
-                    f"model and optimizer this config builds ({type(e).__name__}: "
-                    f"{cause[0][:200]}); resume with the config it was made with, or start "
-                    "anew with another train.out_dir.") from None
-            check_finite(self.state.params, f"the checkpoint of step {latest} in "
-                         f"{self.ckpt.directory}")
+            meta = self._restore(latest)
             self.start_step = int(meta["step"])
             self.iterator.set_state(meta["data"])
         if self.primary:   # every per-step file holds what the checkpoint covers, once
@@ -207,6 +197,49 @@ class Trainer:
         self._last_drift = float("nan")
         self.nonfinite_in_a_row = int(self.state.nonfinite)
         self._stop = False
+
+    def _restore(self, latest: int) -> dict:
+        """Restore the newest intact checkpoint into self.state; return its meta.
+
+        A latest checkpoint that cannot be read while an older one can is
+        corrupt (a truncated file): it is moved to <out_dir>/broken_checkpoints
+        and the run resumes from the older one, saying so and which steps it
+        redoes. Single-process runs only: with several processes moving files
+        under the others is not safe, so those are refused with the command."""
+        def why(e):
+            cause = str(ckpt_lib.root_cause(e)).strip().split(". ")[:1] or [""]
+            return f"{type(e).__name__}: {cause[0][:200]}"
+        try:
+            state, meta, broken = self.ckpt.restore_newest_intact(self.state)
+        except Exception as e:  # noqa: BLE001 - a sentence, not orbax's traceback
+            raise ValueError(
+                f"the checkpoint of step {latest} in {self.ckpt.directory} does not fit the "
+                f"model and optimizer this config builds ({why(e)}), and no older one does; "
+                "resume with the config it was made with, or start anew with another "
+                "train.out_dir.") from None
+        step = int(meta["step"])
+        if broken:
+            steps = ", ".join(str(s) for s, _ in broken)
+            many = "s" if len(broken) > 1 else ""
+            said = (f"the checkpoint{many} of step{many} {steps} in {self.ckpt.directory} cannot "
+                    f"be restored ({why(broken[0][1])})")
+            if jax.process_count() > 1:
+                moves = "; ".join(f"mv {self.ckpt.directory / str(s)} "
+                                  f"{self.run_dir / 'broken_checkpoints' / str(s)}"
+                                  for s, _ in broken)
+                raise ValueError(f"{said}; the one of step {step} is intact: move the broken "
+                                 f"one aside ({moves}) and rerun the same command to resume "
+                                 f"from step {step}.")
+            if self.primary:
+                for s, _ in broken:
+                    self.ckpt.set_aside(s)
+                print(f"[erpo] {said}; moved to {self.run_dir / 'broken_checkpoints'}, "
+                      f"resuming from step {step}, the newest intact checkpoint: steps "
+                      f"{step + 1}-{broken[0][0]} are redone.", flush=True)
+        self.state = state
+        check_finite(self.state.params, f"the checkpoint of step {step} in "
+                     f"{self.ckpt.directory}")
+        return meta
 
     # ------------------------------------------------------------------ pieces
 
