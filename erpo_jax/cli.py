@@ -118,7 +118,7 @@ def _eval(args) -> int:
     compile_cache.configure(cfg.train.compile_cache)
     sharding = build_sharding(cfg)
     model_cfg, params, tok = load_policy(cfg, sharding)
-    task = load_task(cfg, tok)
+    task = load_task(cfg, tok, drift=False)
     try:
         res = Evaluator(model_cfg, task, cfg, sharding).evaluate(
             params, jax.random.key(cfg.train.seed), 0)

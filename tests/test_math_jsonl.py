@@ -179,6 +179,37 @@ def test_drift_queries_are_held_out_of_training_or_refused(tmp_path, tok_dir):
     assert len(task.train) == 20 and task.drift_set == []
 
 
+def test_sft_trains_on_every_row_and_held_out_rows_are_counted(tmp_path, tok_dir, capsys,
+                                                              monkeypatch):
+    """`erpo sft` measures no drift, so it holds no rows out for it (a 100-row file
+    trained on 36 rows, issue 36); `erpo train` counts what it holds out."""
+    from erpo_jax.train import sft
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(20)]
+    train = _write(tmp_path / "t.jsonl", rows)
+    tok = load_tokenizer(tok_dir)
+    task = load_task(_cfg(tmp_path, tok_dir, train, "train.drift_every=2",
+                          "train.drift_queries=6", "data.n_val=2"), tok)
+    task.close()
+    assert len(task.train) == 12 and task.load_report["held_out"] == {
+        "validation (data.n_val)": 2, "drift (train.drift_queries)": 6}
+    assert (f"{train}: 12 training rows; held out of training: 2 for validation (data.n_val), "
+            "6 for drift (train.drift_queries)") in capsys.readouterr().out
+    loaded = []
+
+    def load_and_stop(*a, **k):
+        loaded.append(load_task(*a, **k))
+        loaded[-1].close()
+        raise ValueError("stop here")
+    monkeypatch.setattr(sft, "load_task", load_and_stop)
+    assert cli.main(["sft", "data.task=jsonl", f"data.train_file={train}", "model.init=hf",
+                     f"model.path={tok_dir}", "data.template=chat", "data.max_prompt_len=256",
+                     "train.batch_size=8", "reward.workers=1", "train.drift_queries=6",
+                     "train.progress=false", "train.tensorboard=false",
+                     f"train.out_dir={tmp_path / 'sft'}"]) == 1
+    assert "stop here" in capsys.readouterr().err
+    assert len(loaded[0].train) == 20 and loaded[0].drift_set == []
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 

@@ -91,7 +91,7 @@ def _run_sft(cfg: RunConfig, sharding, run_dir, primary: bool) -> dict:
                                  resuming=latest is not None, allow_change=t.allow_config_change)
         model_cfg, params, tok = load_policy(cfg, sharding)
         check_finite(params, f"the starting model ({cfg.model.init})")
-        task = load_task(cfg, tok)
+        task = load_task(cfg, tok, drift=False)   # SFT measures no drift: every row trains
         seqs, plens = sft_examples(task, tok)
         width = max(8, 1 << (max(len(s) for s in seqs) - 1).bit_length())
         tx, schedule = step_lib.make_optimizer(o, t.steps)

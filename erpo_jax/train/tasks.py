@@ -160,7 +160,11 @@ def _check_prompt_lengths(prompts: list[list[int]], problems: list[Problem], lim
                              f"data.max_prompt_len={limit}; raise the limit or drop the problem.")
 
 
-def load_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
+def load_task(cfg: RunConfig, tokenizer: Tokenizer, drift: bool = True) -> Task:
+    """The task of `cfg.data`. drift: a JSONL task without evaluation sets
+    holds `train.drift_queries` training rows out of training to measure query
+    drift on (only `erpo train` does; `erpo sft` and `erpo eval` pass False and
+    keep every row)."""
     d = cfg.data
     if d.task == "arithmetic":
         from erpo_jax.data import arithmetic
@@ -177,7 +181,7 @@ def load_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
                         list(zip(texts, golds))))
         task.drift_set = _interleave(task.eval_sets)
     else:
-        task = _load_jsonl_task(cfg, tokenizer)
+        task = _load_jsonl_task(cfg, tokenizer, drift)
     task.train_prompts = task.prompts(task.train)
     _check_prompt_lengths(task.train_prompts, task.train, d.max_prompt_len, "training set")
     return task
@@ -188,7 +192,7 @@ def _interleave(sets: dict[str, list[Problem]]) -> list[Problem]:
     return [p for group in zip(*sets.values()) for p in group]
 
 
-def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
+def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer, measure_drift: bool) -> Task:
     """A math JSONL file under data.answer_format, golds checked by math-verify
     at load time, rewards from the math-verify pool (config section `reward`)."""
     from erpo_jax.data.benchmarks import load_benchmark
@@ -226,7 +230,8 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
             if t.eval_split == "validation":
                 evals = {"validation": val}
         drift = _interleave(evals)
-        if t.drift_every > 0 and not drift:
+        held_out = {"validation (data.n_val)": d.n_val}
+        if measure_drift and t.drift_every > 0 and not drift:
             # No evaluation sets: measure drift on training rows held out of training.
             if len(train) - t.drift_queries < t.batch_size:
                 raise ValueError(
@@ -236,6 +241,12 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer) -> Task:
                     f"{t.batch_size}; lower train.drift_queries, add data.eval_benchmarks, or "
                     "set train.drift_every=0.")
             train, drift = _hold_out(train, t.drift_queries, d.seed, stream=7)
+            held_out["drift (train.drift_queries)"] = t.drift_queries
+        held = [f"{n} for {what}" for what, n in held_out.items() if n]
+        if held:   # every row kept out of training is counted, in the run's header
+            report["held_out"] = {k: n for k, n in held_out.items() if n}
+            print(f"[erpo] {d.train_file}: {len(train)} training rows; held out of training: "
+                  f"{', '.join(held)}.", flush=True)
         if not train:
             raise ValueError(f"config field data.train_file: {d.train_file} has no usable "
                              "problems.")
