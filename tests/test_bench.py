@@ -28,6 +28,10 @@ def test_bench_test_mode_produces_every_field(tmp_path):
     assert m["model_flops"] > 0 and 0 < m["mfu"] and m["wall_s"]["update"] > 0
     rows = res["sampler"]["rows"]
     assert rows and all(x["jax_kv_cache"] > 0 and x["jax_no_cache"] > 0 for x in rows)
+    e = res["engines"]
+    assert e["same_samples"] and set(e["engines"]) == {"static", "continuous"}
+    assert all(x["decode_steps"] > 0 and 0 < x["slot_utilization"] <= 1 and x["wall_s"] > 0
+               for x in e["engines"].values())
     (rl,) = res["rl_iteration"]
     assert rl["first_iter_s"] > 0 and rl["steady_iter_s"] > 0
     assert rl["ref_forward_calls"] == rl["iters"]  # Policy-KL: one reference forward per step
@@ -36,7 +40,8 @@ def test_bench_test_mode_produces_every_field(tmp_path):
     assert len(res["memory"]) == len(bench.REAL_SCALE)
     for x in res["memory"]:
         assert all(v > 0 for v in x["gib"].values()) and isinstance(x["fits_remat"], bool)
-    for name in ("erpo_flops_ratio", "erpo_wall_ratio", "train_mfu", "rl_tiny_first_s"):
+    for name in ("erpo_flops_ratio", "erpo_wall_ratio", "train_mfu", "rl_tiny_first_s",
+                 "engines_steps_ratio", "engines_slot_utilization"):
         assert name in res["targets"], name
 
 

@@ -214,9 +214,12 @@ class ContinuousEngine:
 
     def _query_buckets(self, num_prompts: int) -> list[int]:
         """Prompt counts an insert is compiled for: 0, then the data-parallel
-        size times powers of two up to what one insert can need."""
+        size times powers of two up to what one insert can need. An insert
+        into k free slots prefills at most ceil(k / G) prompts: when the next
+        sample starts a prompt, its k samples span that many; when it does
+        not, its prompt is the stashed one."""
         dp = self.sharding.data_size if self.sharding is not None else 1
-        need = min(num_prompts, -(-self.slots // self.sampling.num_samples) + 1)
+        need = min(num_prompts, -(-self.slots // self.sampling.num_samples))
         out, q = [0], dp
         while True:
             out.append(q)
@@ -229,17 +232,39 @@ class ContinuousEngine:
     def _count(self):
         self.num_traces += 1
 
-    def _program(self, name: str, R: int, P: int, per_call: int = 0, Q: int = 0):
-        key = (name, R, P, per_call, Q)
+    def _program(self, name: str, R: int, P: int, per_call: int = 0, Q: int = 0,
+                 n: int = 0):
+        """The jitted program `name` for R samples at prompt bucket P (Q:
+        prompts an insert prefills; n: the pool size, default `slots`)."""
+        key = (name, R, P, per_call, Q, n or self.slots)
         if key not in self._programs:
-            self._programs[key] = getattr(self, "_make_" + name)(R, P, per_call, Q)
+            self._programs[key] = getattr(self, "_make_" + name)(R, P, per_call, Q,
+                                                                 n or self.slots)
         return self._programs[key]
 
-    def _abstract_state(self, R: int, P: int) -> PoolState:
-        return jax.eval_shape(lambda: self._empty(jax.random.key(0), R, P, 0))
+    def pool_sizes(self) -> list[int]:
+        """The pool's sizes, largest first. Once nothing is pending, the pool
+        halves whenever at most half its slots are live (their samples move to
+        the smaller pool), down to slots / 8 and no lower than the
+        data-parallel size: the drain at the end of a call decodes fewer idle
+        slots."""
+        dp = self.sharding.data_size if self.sharding is not None else 1
+        out, n = [self.slots], self.slots
+        while n % 2 == 0 and (n // 2) % dp == 0 and n // 2 >= max(1, self.slots // 8):
+            n //= 2
+            out.append(n)
+        return out
 
-    def _empty(self, rng, R: int, P: int, per_call: int) -> PoolState:
-        cfg, sc, n = self.cfg, self.sampling, self.slots
+    def schedule(self, lengths: Sequence[int], num_prompts: int) -> dict:
+        """`schedule` of samples of these lengths with this engine's settings."""
+        return schedule(lengths, self.slots, self.refill, self.pool_sizes(),
+                        self.sampling.num_samples, self._query_buckets(num_prompts))
+
+    def _abstract_state(self, R: int, P: int, n: int = 0) -> PoolState:
+        return jax.eval_shape(lambda: self._empty(jax.random.key(0), R, P, 0, n))
+
+    def _empty(self, rng, R: int, P: int, per_call: int, n: int = 0) -> PoolState:
+        cfg, sc, n = self.cfg, self.sampling, n or self.slots
         N, G = sc.max_new_tokens, sc.num_samples
         S, L = P + N - 1, cfg.num_layers
         cache = model_lib.init_cache(cfg, n, S)
@@ -271,13 +296,13 @@ class ContinuousEngine:
             kw["out_shardings"] = out
         return jax.jit(fn, **kw)
 
-    def _make_start(self, R, P, per_call, Q):
+    def _make_start(self, R, P, per_call, Q, n):
         def start(rng):
             self._count()
             return self._empty(rng, R, P, per_call)
         return self._jit(start, self._abstract_state(R, P), donate=False)
 
-    def _make_weights(self, R, P, per_call, Q):
+    def _make_weights(self, R, P, per_call, Q, n):
         cfg, sh = self.cfg, self.sharding
 
         def weights(params):
@@ -319,8 +344,8 @@ class ContinuousEngine:
             sampler_lib.decode_head_axes(cfg, sh)))
         return w, head
 
-    def _make_insert(self, R, P, per_call, Q):
-        cfg, sc, sh, n = self.cfg, self.sampling, self.sharding, self.slots
+    def _make_insert(self, R, P, per_call, Q, n):
+        cfg, sc, sh = self.cfg, self.sampling, self.sharding
         N, plat = sc.max_new_tokens, platform_of(self.sharding)
         c = self._constrain
 
@@ -382,8 +407,23 @@ class ContinuousEngine:
 
         return self._jit(insert, self._abstract_state(R, P), donate=True)
 
-    def _make_decode(self, R, P, per_call, Q):
-        cfg, sc, sh, n = self.cfg, self.sampling, self.sharding, self.slots
+    def _make_shrink(self, R, P, per_call, Q, n):
+        """The pool of n slots halved: keep int32[n / 2], the slots that stay."""
+        def shrink(s: PoolState, keep):
+            self._count()
+            take = lambda a: jnp.take(a, keep, axis=0)
+            cache = s.cache
+            return dataclasses.replace(
+                s, cache=model_lib.KVCache(tuple(map(take, cache.k)), tuple(map(take, cache.v)),
+                                           take(cache.valid), take(cache.index)),
+                last=take(s.last), positions=take(s.positions), t=take(s.t),
+                live=take(s.live), sample=take(s.sample), keys=take(s.keys),
+                uniforms=take(s.uniforms))
+        # Not donated: the smaller pool cannot reuse the larger one's buffers.
+        return self._jit(shrink, self._abstract_state(R, P, n // 2), donate=False)
+
+    def _make_decode(self, R, P, per_call, Q, n):
+        cfg, sc, sh = self.cfg, self.sampling, self.sharding
         N, plat = sc.max_new_tokens, platform_of(self.sharding)
         stationary = None if sh is None else sh.weight_stationary()
 
@@ -415,11 +455,11 @@ class ContinuousEngine:
             self._count()
             run = lambda s: (jnp.sum(~s.live) < refill) & jnp.any(s.live)
             s = jax.lax.while_loop(run, lambda s: step(params, head, s), s)
-            return s, self._constrain(s.live, (None,))
+            return s, (self._constrain(s.live, (None,)), s.steps)
 
-        like = self._abstract_state(R, P)
-        return self._jit(decode, like, donate=True,
-                         extra_out=None if sh is None else sh.replicated())
+        like = self._abstract_state(R, P, n)
+        rep = None if sh is None else sh.replicated()
+        return self._jit(decode, like, donate=True, extra_out=None if sh is None else (rep, rep))
 
     # ------------------------------------------------------------------ host loop
 
@@ -435,27 +475,53 @@ class ContinuousEngine:
 
     def lower(self, params, num_prompts: int, longest_prompt: int, max_prompts: int = 0):
         """[(name, Lowered)] of every program a call runs at these shapes."""
+        return [(name, lower()) for name, _, lower in
+                self.programs(params, num_prompts, longest_prompt, max_prompts, every=True)]
+
+    def programs(self, params, num_prompts: int, longest_prompt: int, max_prompts: int = 0,
+                 every: bool = False) -> list:
+        """[(name, shapes, lower function)] of the programs a call of these
+        shapes runs (params: arrays or ShapeDtypeStructs): each insert size
+        and the decode loop at each pool size; every=True adds the small ones
+        (start, weights and the pool's shrinks), which `erpo plan` leaves out."""
         B, P = self.batch_shape(num_prompts, longest_prompt)
         G, R = self.sampling.num_samples, B * self.sampling.num_samples
+        N = self.sampling.max_new_tokens
         per_call = max_prompts if 0 < max_prompts < num_prompts else 0
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        state = self._abstract_state(R, P)
-        if self.sharding is not None:
-            state = jax.tree_util.tree_map(
-                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state,
-                self._state_shardings(state))
-        weights = self._program("weights", R, P)
-        w, head = self._abstract_weights(params)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        out = [("rollout start", self._program("start", R, P, per_call).lower(key)),
-               ("rollout weights", weights.lower(params))]
+
+        def state(n):
+            like = self._abstract_state(R, P, n)
+            if self.sharding is None:
+                return like
+            return jax.tree_util.tree_map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like,
+                self._state_shardings(like))
+
+        w, head = self._abstract_weights(params)
+        out = []
+        if every:
+            key = jax.eval_shape(lambda: jax.random.key(0))
+            out += [("start", f"{R} samples", lambda: self._program(
+                         "start", R, P, per_call).lower(key)),
+                    ("weights", "per-layer weights", lambda: self._program(
+                         "weights", R, P).lower(params))]
         for Q in self._query_buckets(B):
             rows = lambda dtype, Q=Q: jax.ShapeDtypeStruct(
                 (Q, P), dtype, sharding=self._named(("batch", None)) if Q else None)
-            out.append((f"rollout insert (+{Q} prompts)", self._program("insert", R, P, 0, Q).lower(
-                state, w, head, rows(jnp.int32), rows(jnp.bool_), i32(self.slots),
-                i32(self.slots), i32())))
-        out.append(("rollout decode", self._program("decode", R, P).lower(state, w, head, i32())))
+            out.append((f"insert {Q}", f"{Q} prompts x {P} tokens into {self.slots} slots",
+                        lambda Q=Q, rows=rows: self._program("insert", R, P, 0, Q).lower(
+                            state(self.slots), w, head, rows(jnp.int32), rows(jnp.bool_),
+                            i32(self.slots), i32(self.slots), i32())))
+        sizes = self.pool_sizes()
+        for n in sizes:
+            out.append((f"decode {n}", f"{n} slots x {P + N - 1} cache entries, {R} samples",
+                        lambda n=n: self._program("decode", R, P, n=n).lower(
+                            state(n), w, head, i32())))
+            if every and n > sizes[-1]:
+                out.append((f"shrink {n}", f"{n} -> {n // 2} slots",
+                            lambda n=n: self._program("shrink", R, P, n=n).lower(
+                                state(n), i32(n // 2))))
         return out
 
     def run(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
@@ -473,9 +539,10 @@ class ContinuousEngine:
         w, head = self._program("weights", R, P)(params)
         buckets = self._query_buckets(Bp)
         live = np.zeros(n, bool)
-        nxt, stashed = 0, -1
+        nxt, stashed, steps, slot_steps = 0, -1, 0, 0
+        sizes = self.pool_sizes()
         while True:
-            free = np.flatnonzero(~live)
+            free, inserted = np.flatnonzero(~live), False
             if nxt < real and free.size:
                 k = min(free.size, real - nxt)
                 ids = np.arange(nxt, nxt + k)
@@ -497,10 +564,23 @@ class ContinuousEngine:
                 state = self._program("insert", R, P, 0, Q)(
                     state, w, head, q_tok, q_mask, src, sample, np.int32(keep))
                 stashed, nxt = int(prompt[-1]), nxt + k
+                inserted = True
             pending = real - nxt
-            refill = min(self.refill, pending) if pending else n + 1
-            state, live_dev = self._program("decode", R, P)(state, w, head, np.int32(refill))
-            live = to_host(live_dev)
+            if not pending and not inserted:
+                # The drain: halve the pool while at most half of it is live
+                # (`live` is the last decode's: an insert's new slots are not in it).
+                while n > sizes[-1] and live.sum() <= n // 2:
+                    keep = np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)])[:n // 2]
+                    state = self._program("shrink", R, P, n=n)(state, keep.astype(np.int32))
+                    live, n = live[keep], n // 2
+            smaller = n > sizes[-1]
+            refill = (min(self.refill, pending) if pending else
+                      n - n // 2 if smaller else n + 1)
+            state, (live_dev, steps_dev) = self._program("decode", R, P, n=n)(
+                state, w, head, np.int32(refill))
+            live, total = to_host((live_dev, steps_dev))
+            slot_steps += (int(total) - steps) * n
+            steps = int(total)
             if nxt == real and not live.any():
                 break
         lengths = state.lengths
@@ -510,9 +590,7 @@ class ContinuousEngine:
             prompt_tokens=rep(tokens), prompt_mask=rep(mask), response_tokens=state.tokens,
             response_mask=response_mask, logp=state.logp, lengths=lengths,
             truncated=~state.ended & (lengths > 0), num_steps=jnp.max(lengths))
-        steps = int(to_host(state.steps))
-        self.last_stats = sampler_lib.rollout_stats(to_host(lengths)[:real], steps,
-                                                    steps * n)
+        self.last_stats = sampler_lib.rollout_stats(to_host(lengths)[:real], steps, slot_steps)
         return out, real
 
     def sample(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
@@ -529,3 +607,57 @@ def _select_keys(new, sample_keys, sample, R, keys):
     picked = jnp.take(sample_keys, jnp.minimum(sample, R - 1), axis=0)
     data = jax.random.key_data
     return jax.random.wrap_key_data(jnp.where(new[:, None], data(picked), data(keys)))
+
+
+def schedule(lengths: Sequence[int], slots: int, refill: int = 0,
+             sizes: Sequence[int] | None = None, group: int = 1,
+             buckets: Sequence[int] = (0, 1)) -> dict:
+    """What `ContinuousEngine` runs for samples of these response lengths (in
+    sample order, `group` per prompt) over `slots` slots: its host loop,
+    replayed without a model (`erpo plan` estimates a rollout from it).
+
+    refill, sizes (`pool_sizes()`), buckets (`_query_buckets`): the engine's.
+    Returns {'steps': decode steps, 'slot_steps': the pool's size summed over
+    them (utilisation's denominator), 'steps_by_size': {pool size: steps},
+    'inserts': {prompts prefilled: insert calls}}.
+    """
+    refill = refill or max(1, slots // 16)
+    sizes = list(sizes or [slots])
+    need = np.maximum(np.asarray(lengths, np.int64) - 1, 0)   # token 0 comes from the prefill
+    left = np.zeros(slots, np.int64)          # decode steps each slot's sample still needs
+    nxt, total, n, stashed = 0, len(need), slots, -1
+    by_size, inserts = {}, {}
+    while True:
+        free, inserted = np.flatnonzero(left == 0), False
+        if nxt < total and free.size:
+            k = min(free.size, total - nxt)
+            prompt = np.arange(nxt, nxt + k) // group
+            fresh = np.unique(prompt[prompt != stashed]).size
+            q = next(b for b in buckets if b >= fresh)
+            inserts[q] = inserts.get(q, 0) + 1
+            left[free[:k]] = need[nxt:nxt + k]
+            nxt, stashed, inserted = nxt + k, int(prompt[-1]), True
+        pending = total - nxt
+        if not pending and not inserted:
+            while n > sizes[-1] and (left > 0).sum() <= n // 2:
+                left, n = np.sort(left)[::-1][:n // 2].copy(), n // 2
+        stop = (min(refill, pending) if pending else n - n // 2 if n > sizes[-1] else n + 1)
+        live = left > 0
+        if live.any() and np.sum(~live) < stop:
+            # Run until `stop` slots are free or none is live, in one jump.
+            ends = np.sort(left[live])
+            run = int(ends[min(stop - int(np.sum(~live)), ends.size) - 1])
+            left = np.maximum(left - run, 0)
+            by_size[n] = by_size.get(n, 0) + run
+        if nxt == total and not (left > 0).any():
+            return {"steps": sum(by_size.values()),
+                    "slot_steps": sum(k * v for k, v in by_size.items()),
+                    "steps_by_size": by_size, "inserts": inserts}
+
+
+def static_steps(lengths: Sequence[int], rows_per_call: int) -> int:
+    """The decode steps the static sampler runs for samples of these lengths
+    in calls of `rows_per_call` rows: each call runs to its longest."""
+    lengths = np.asarray(lengths, np.int64)
+    return int(sum(max(int(lengths[i:i + rows_per_call].max()) - 1, 0)
+                   for i in range(0, lengths.size, rows_per_call)))

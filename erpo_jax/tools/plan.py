@@ -193,12 +193,14 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
 
 
 def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
-         decode_step: bool = True, strict_only: bool = False) -> dict:
+         decode_step: bool = True, strict_only: bool = False,
+         lengths: str = "lognormal:800:0.8") -> dict:
     """Compile every per-step program of `cfg` for `top`; the report (a dict).
     only: program names to compile (default all; with strict_only, a name
     that is no program of this run is an error, else skipped); decode_step: also compile
     one decode step of each sampler, for its traffic and the rollout's time
-    estimate (a verdict alone does not need it).
+    estimate (a verdict alone does not need it); lengths: the response-length
+    distribution of the rollout-time estimate (`rollout_estimate`).
 
     JAX's persistent compilation cache is off meanwhile: an executable for
     abstract TPU devices can never be loaded on this host (reading one back
@@ -210,7 +212,15 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
     jax.config.update("jax_enable_compilation_cache", False)
     cc.reset_cache()
     try:
-        return _plan(cfg, top, margin, only, say, decode_step, strict_only)
+        report = _plan(cfg, top, margin, only, say, decode_step, strict_only)
+        report.pop("_progs", None)
+        if lengths:
+            est = rollout_estimate(report, cfg, top, lengths)
+            if est is not None:
+                report["rollout_estimate"] = est
+                say(estimate_line(est))
+        report.pop("_engine", None)
+        return report
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
         cc.reset_cache()
@@ -257,12 +267,12 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
     if progs.query_group_note:
         report["notes"].append(progs.query_group_note)
     planned = progs.planned()
-    unknown = sorted(set(only) - {p.name for p in planned})
+    unknown = sorted(set(only) - {p.name for p in planned} - {p.group for p in planned})
     if unknown and strict_only:
         raise ValueError(f"erpo plan --only: {', '.join(map(repr, unknown))} is no program of "
                          f"this run; its programs are {', '.join(p.name for p in planned)}.")
     for prog in planned:
-        if only and prog.name not in only:
+        if only and prog.name not in only and prog.group not in only:
             continue
         say(f"compiling {prog.name} ({prog.shapes}) for {top.name} ...")
         row = {"name": prog.name, "shapes": prog.shapes, **_measure(prog.lower(), top, margin)}
@@ -270,7 +280,12 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
             report["programs"].append(row)
             say(f"  {prog.name:<18} DOES NOT FIT: {row['compiler_error']}")
             continue
-        if prog.name in ("rollout", "eval greedy", "eval sampled") and not decode_step:
+        if prog.part:   # a continuous engine's program: its loop body is one decode step
+            row["flops"], row["bytes_accessed"] = row["xla_flops"], row["xla_bytes_accessed"]
+            row["part"], row["group"] = prog.part, prog.group
+            if prog.part == f"decode {prog.rows}" and prog.group == "rollout" and decode_step:
+                row["decode_step"] = _decode_traffic(row, progs, prog.rows, model_cfg, mesh)
+        elif prog.name in ("rollout", "eval greedy", "eval sampled") and not decode_step:
             row["flops"], row["bytes_accessed"] = row["xla_flops"], row["xla_bytes_accessed"]
         elif prog.name in ("rollout", "eval greedy", "eval sampled"):
             sampler = {"rollout": progs.sampler, "eval greedy": progs.eval_greedy,
@@ -315,11 +330,94 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
         say(_line(row))
     bad = [p for p in report["programs"] if not p["fits"]]
     report["fits"] = not bad
+    report["_progs"], report["_engine"] = progs, progs.sampler
     report["verdict"] = ("every program fits" if not bad else " ".join(
         f"The {p['name']} does not fit: it needs {p['peak_gib']:.2f} GiB per chip, "
         f"{p['peak_gib'] - p['limit_gib']:.2f} GiB over the {p['limit_gib']:.2f} GiB usable "
         f"({top.hbm_gib:g} GiB HBM less a {margin:.0%} margin)." for p in bad))
     return report
+
+
+def sample_lengths(spec: str, samples: int, cap: int, seed: int = 0):
+    """Response lengths int[samples] drawn from `spec`, 'lognormal:MEDIAN:SIGMA'
+    (rounded, at least 1, capped at max_new_tokens), with a fixed seed."""
+    import numpy as np
+    kind, *args = spec.split(":")
+    if kind != "lognormal" or len(args) != 2:
+        raise ValueError(f"erpo plan --lengths {spec!r}: use lognormal:MEDIAN:SIGMA, e.g. "
+                         "lognormal:800:0.8.")
+    median, sigma = float(args[0]), float(args[1])
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(median), sigma, samples)), 1, cap).astype(int)
+
+
+def rollout_estimate(report: dict, cfg, top: Topology, spec: str) -> dict | None:
+    """The rollout's time per RL step on response lengths drawn from `spec`
+    (one fixed draw of batch x group lengths), from the compiled programs:
+
+    static: each call of max_prompts_per_call prompts runs its program (the
+      prefill, and each phase's loop body once) plus, for its longest
+      response, one decode step per token after the first, each costed on
+      its cache phase's compiled step;
+    continuous: the engine's schedule of those lengths (`ContinuousEngine.
+      schedule`: decode steps at each pool size, inserts at each prompt
+      count), each costed by its compiled program (a decode program's loop
+      body is one step).
+
+    None when the rollout's programs were not compiled (--only) or their
+    decode steps were not (decode_step=False)."""
+    import numpy as np
+    from erpo_jax.rollout.continuous import static_steps
+    r, B = cfg.rollout, cfg.train.batch_size
+    G, N = r.group_size, r.max_new_tokens
+    lengths = sample_lengths(spec, B * G, N)
+    rows = {p["name"]: p for p in report["programs"]}
+    roof = lambda flops, nbytes: 1e3 * max(flops / top.peak_flops, nbytes / top.hbm_bytes_per_s)
+    useful = int((lengths - 1).sum())
+    out = {"lengths": spec, "samples": int(lengths.size), "mean_length": float(lengths.mean()),
+           "median_length": float(np.median(lengths)),
+           "truncated_frac": float(np.mean(lengths >= N)), "engine": r.engine}
+    if r.engine == "static":
+        row = rows.get("rollout")
+        if row is None or "decode_phases" not in row:
+            return None
+        per_call = (r.max_prompts_per_call or B) * G
+        total, steps = 0.0, 0
+        for i in range(0, lengths.size, per_call):
+            left = int(lengths[i:i + per_call].max()) - 1
+            steps += left
+            total += roof(row["xla_flops"], row["xla_bytes_accessed"])
+            for q in row["decode_phases"]:
+                n = min(left, q["steps"])
+                total += n * roof(q["flops"], q["bytes_accessed"])
+                left -= n
+        out.update(decode_steps=steps, slot_utilization=useful / (per_call * steps),
+                   estimated_ms=total, rows_per_call=per_call, calls=-(-lengths.size // per_call))
+        out["static_steps_check"] = static_steps(lengths, per_call)
+        return out
+    engine = report["_engine"]
+    sched = engine.schedule(lengths, B)
+    need = [f"rollout decode {n}" for n in sched["steps_by_size"]] + \
+        [f"rollout insert {q}" for q in sched["inserts"]]
+    if any(k not in rows for k in need):
+        return None
+    ms = lambda name: rows[name]["estimated_ms"]
+    decode = sum(k * ms(f"rollout decode {n}") for n, k in sched["steps_by_size"].items())
+    insert = sum(k * ms(f"rollout insert {q}") for q, k in sched["inserts"].items())
+    out.update(decode_steps=sched["steps"], slot_utilization=useful / sched["slot_steps"],
+               estimated_ms=decode + insert, decode_ms=decode, insert_ms=insert,
+               slots=engine.slots, steps_by_size={str(k): v for k, v in
+                                                  sched["steps_by_size"].items()},
+               inserts={str(k): v for k, v in sched["inserts"].items()})
+    return out
+
+
+def estimate_line(e: dict) -> str:
+    return (f"rollout estimate ({e['engine']} engine) on {e['samples']} responses of "
+            f"{e['lengths']} lengths (mean {e['mean_length']:.0f}, median "
+            f"{e['median_length']:.0f}, {100 * e['truncated_frac']:.1f}% at the cap): "
+            f"{e['decode_steps']:,} decode steps, slot utilisation "
+            f"{100 * e['slot_utilization']:.0f}%, ~{e['estimated_ms'] / 1e3:.1f} s per RL step")
 
 
 def _formula_gib(cfg, prog, top: Topology, mesh_shape, data_size: int) -> float | None:
@@ -515,6 +613,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--only", default="", help="comma-separated program names to compile "
                    "(rollout, reference forward, update, eval greedy, eval sampled, "
                    "reference pass); default all")
+    p.add_argument("--lengths", default="lognormal:800:0.8",
+                   help="response lengths of the rollout-time estimate: lognormal:MEDIAN:SIGMA "
+                   "(capped at rollout.max_new_tokens); default lognormal:800:0.8")
     p.add_argument("--suggest", action="store_true", help="find the largest "
                    "rollout.max_prompts_per_call and smallest optim.micro_batches that fit")
     p.set_defaults(func=run)
@@ -534,8 +635,9 @@ def run(args: argparse.Namespace) -> int:
           f"{top.hbm_gib:g} GiB HBM, {top.peak_flops / 1e12:g} TFLOP/s bf16, "
           f"{top.hbm_bytes_per_s / 1e9:g} GB/s per chip ({SOURCE})", flush=True)
     only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+    sample_lengths(args.lengths, 1, 1)   # a bad spec is refused before anything compiles
     report = plan(cfg, top, args.margin, only=only, say=lambda s: print(s, flush=True),
-                  strict_only=True)
+                  strict_only=True, lengths=args.lengths)
     print("Per chip. Estimated ms: roofline max(FLOPs / peak, bytes / bandwidth), an "
           "estimate; collectives are not in it.")
     if args.suggest:

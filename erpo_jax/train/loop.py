@@ -332,7 +332,7 @@ class Trainer:
                     rollout_key(self._rollout_seed, step),
                     cfg.rollout.max_prompts_per_call)
         times["time/rollout"] = time.perf_counter() - t0
-        times.update({f"rollout/{k}": v for k, v in self.sampler.last_stats.items()})
+        engine_stats = {f"rollout/{k}": v for k, v in self.sampler.last_stats.items()}
         batch = rollout_to_batch(ro, np.zeros(ro.response_tokens.shape[0], np.float32), idx,
                                  self.ref_cache, self.weights, G)
         lc, a = cfg.loss, cfg.algo
@@ -376,6 +376,7 @@ class Trainer:
             "response_len_mean": float(np.mean(ro.lengths)),
             "response_len_max": float(np.max(ro.lengths)),
             "truncated_frac": float(np.mean(ro.truncated)),
+            **engine_stats,
             "zero_var_group_frac": float(np.mean(r.max(axis=1) == r.min(axis=1))),
             **{f"reward/{k}": float(np.mean([x == k for x in reasons]))
                for k in sorted(set(reasons))},

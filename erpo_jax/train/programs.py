@@ -48,6 +48,14 @@ class Program:
     lower: object          # () -> jax.stages.Lowered
     rows: int = 0          # rows of the batch it processes
     tokens: int = 0        # tokens it processes (for FLOP accounting)
+    # One of the continuous rollout engine's programs ('insert Q' / 'decode n'
+    # of the engine `group` names); '' for the rest.
+    part: str = ""
+    group: str = ""
+
+    def __post_init__(self):
+        if not self.group:
+            object.__setattr__(self, "group", self.name)
 
 
 def _abstract(x, sharding=None):
@@ -236,8 +244,7 @@ class Programs:
         per_call = r.max_prompts_per_call or B
         Bp, P = self.sampler.batch_shape(per_call, P_max)
         T = P + N
-        out = [Program("rollout", f"{Bp} prompts x {G} samples, {P} prompt + {N} new tokens",
-                       lambda: self.sampler.lower(params, per_call, P_max), Bp * G, Bp * G * T)]
+        out = self._engine_programs("rollout", self.sampler, params, per_call, P_max)
         if cfg.loss.needs_ref_logp:
             out.append(Program("reference forward", f"{B * G} rows x {T} tokens",
                                lambda: self.lower_reference_forward(params, T), B * G, B * G * T))
@@ -247,16 +254,36 @@ class Programs:
             lambda: self.update.lower(*self.update_arguments(state, T)), rows, rows * T))
         for name, s in (("eval greedy", self.eval_greedy), ("eval sampled", self.eval_sampled)):
             if s is not None:
-                n = s.sampling.num_samples
-                out.append(Program(name, f"{Bp} prompts x {n} samples, {P} + {N} tokens",
-                                   lambda s=s: s.lower(params, per_call, P_max), Bp * n,
-                                   Bp * n * T))
+                out += self._engine_programs(name, s, params, per_call, P_max, brief=True)
         rb, width = cfg.train.ref_batch_size, ref_lib.bucket(P_max + 1)
         out.append(Program("reference pass", f"{rb} queries x {width} tokens",
                            lambda: self.ref_pass_fn.lower(
                                params, self._rows(rb, width, dtype=jnp.int32),
                                self._rows(rb, width, dtype=jnp.bool_)), rb, rb * width))
         return out
+
+    def _engine_programs(self, name: str, engine, params, per_call: int, P_max: int,
+                         brief: bool = False) -> list[Program]:
+        """The programs of a rollout engine at its largest shapes: the static
+        sampler's one call of `per_call` prompts; the continuous engine's
+        inserts and decode loops for the whole batch (brief: its largest
+        insert and its full pool's decode only)."""
+        r, n = self.cfg.rollout, engine.sampling.num_samples
+        N = engine.sampling.max_new_tokens
+        if engine.name == "static":
+            Bp, P = engine.batch_shape(per_call, P_max)
+            return [Program(name, f"{Bp} prompts x {n} samples, {P} prompt + {N} new tokens",
+                            lambda: engine.lower(params, per_call, P_max), Bp * n,
+                            Bp * n * (P + N))]
+        B = self.B
+        parts = engine.programs(params, B, P_max, r.max_prompts_per_call)
+        if brief:
+            inserts = [p for p in parts if p[0].startswith("insert")]
+            parts = [inserts[-1], next(p for p in parts if p[0].startswith("decode"))]
+        _, P = engine.batch_shape(B, P_max)
+        return [Program(f"{name} {part}", shapes, lower, engine.slots,
+                        engine.slots * (P + N), part=part, group=name)
+                for part, shapes, lower in parts]
 
     # ------------------------------------------------------------------ small programs
 

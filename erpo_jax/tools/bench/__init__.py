@@ -13,6 +13,9 @@ Sections (each row of the JSON carries the peak host RSS of the process so far):
                 forward, as the loop runs it): XLA FLOPs and interleaved wall time.
   mfu           train-step model FLOPs / time / matmul peak on medium-25m.
   sampler       decode tokens/s at several batches (erpo_jax.rollout.bench).
+  engines       the static and continuous rollout engines on the same samples
+                of model-made varied lengths: decode steps, slot utilisation,
+                wall (`engines`).
   rl_iteration  rollout + reward + advantages + reference + update through the
                 Trainer's own `_rl_batch` / `_update`.
   memory        per-device bytes of parameters, AdamW state, KV cache and
@@ -78,6 +81,9 @@ def _print_tables(res: dict) -> None:
     if res.get("sampler"):
         from erpo_jax.rollout.bench import print_table
         print_table(res["sampler"])
+    if res.get("engines"):
+        from erpo_jax.tools.bench import engines as bench_engines
+        bench_engines.print_table(res["engines"])
     rows = res.get("rl_iteration") or []
     if rows:
         print("\nWhole RL iteration (Trainer._rl_batch + _update; Policy-KL beta "
@@ -153,6 +159,10 @@ def run_bench(mode: str = "quick", sections=SECTIONS, with_hf: bool = True,
         say("sampler ...")
         res["sampler"] = bench_sampler(**m["sampler"], with_hf=with_hf, verbose=False)
         res["sampler"]["peak_rss_mib"] = peak_rss_mib()
+    if "engines" in sections:
+        from erpo_jax.tools.bench.engines import bench_engines
+        say("rollout engines, varied lengths ...")
+        res["engines"] = bench_engines(**m["engines"])
     if "rl_iteration" in sections and peer is not None:
         from erpo_jax.tools.bench import peer as bench_peer
         say("RL iteration vs the peer (fresh processes, interleaved) ...")
@@ -203,6 +213,13 @@ def targets(res: dict) -> dict:
     if c:  # the same target, on a rerun that finds its programs in the compilation cache
         w = c["warm"]["first_iter_s"]
         add("rl_tiny_first_warm_cache_s", w, "< 3", w < 3.0)
+    e = res.get("engines")
+    if e:
+        c = e["engines"]["continuous"]
+        add("engines_steps_ratio", e["steps_ratio"], "<= 0.5", e["steps_ratio"] <= 0.5)
+        add("engines_wall_ratio", e["wall_ratio"], "<= 0.6", e["wall_ratio"] <= 0.6)
+        add("engines_slot_utilization", c["slot_utilization"], ">= 0.75",
+            c["slot_utilization"] >= 0.75)
     for x in (res.get("sampler") or {}).get("rows", []):
         if x["batch"] == 32 and x["speedup_vs_hf"] is not None:
             add(f"sampler_{x['preset']}_b32_vs_hf", x["speedup_vs_hf"], ">= 5",
