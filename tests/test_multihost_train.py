@@ -26,7 +26,8 @@ from tiny_runs import ANSWERING, rl_args
 from workers import kill_workers, wait_for_workers
 
 EXTRA = [*ANSWERING, "train.steps=2", "train.drift_every=1", "train.drift_queries=8",
-         "loss.beta_query=0.1", "algo.weight_scheme=likelihood", "mesh.shape=-1,1,1"]
+         "loss.beta_query=0.1", "algo.weight_scheme=likelihood", "mesh.shape=-1,1,1",
+         "rollout.engine=continuous", "rollout.slots=8"]   # 8 slots refilled from 32 samples
 EXACT = ("reward_mean", "response_len_mean")        # the rollouts: the same tokens
 BEFORE = ("loss", "pg_loss", "query_kl", "query_kl_k3", "grad_norm")  # step 1, before any update
 AFTER = ("drift/qkl_k3", "drift/qkl_k1")            # after an update

@@ -51,7 +51,8 @@ def step0(sft_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("pg") / "run"
     cfg = load_config(None, rl_args(sft_model, out, *ANSWERING, "train.steps=1",
                                     f"optim.lr={LR}", "loss.beta_query=0.1",
-                                    "algo.weight_scheme=likelihood"))
+                                    "algo.weight_scheme=likelihood",
+                                    "rollout.engine=continuous", "rollout.slots=8"))
     t = Trainer(cfg)
     try:
         idx = np.asarray(t.iterator.batch_at(0))

@@ -93,6 +93,43 @@ def test_plan_costs_each_cache_phase_of_the_rollout(tmp_path):
     assert p["bytes_accessed"] < p1["bytes_accessed"]
 
 
+def test_plan_estimates_both_rollout_engines_on_a_length_distribution(tmp_path):
+    """The continuous engine's programs (its inserts and its decode loop,
+    4 slots for 8 samples) compile for v5e-4, and the rollout estimate of
+    each engine on one draw of lognormal lengths is its schedule costed by
+    its compiled programs: the static calls to their longest response, the
+    continuous engine's decode steps and inserts as `schedule` replays them."""
+    import numpy as np
+
+    from erpo_jax.rollout.continuous import schedule, static_steps
+    spec = "lognormal:4:0.8"
+    proc, rep = _cli(tmp_path, *TINY, "rollout.engine=continuous", "rollout.slots=4",
+                     "--only", "rollout", "--lengths", spec)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    by = {p["name"]: p for p in rep["programs"]}
+    assert list(by) == ["rollout insert 0", "rollout insert 4", "rollout decode 4"]
+    assert all(p["fits"] and p["group"] == "rollout" for p in by.values())
+    est = rep["rollout_estimate"]
+    lengths = plan_lib.sample_lengths(spec, 8, 8)
+    sched = schedule(lengths, 4, 0, [4], 2, [0, 4])
+    assert est["engine"] == "continuous" and est["decode_steps"] == sched["steps"]
+    ms = sum(k * by[f"rollout decode {n}"]["estimated_ms"]
+             for n, k in sched["steps_by_size"].items())
+    ms += sum(k * by[f"rollout insert {q}"]["estimated_ms"] for q, k in sched["inserts"].items())
+    assert est["estimated_ms"] == pytest.approx(ms)
+    assert est["slot_utilization"] == pytest.approx((lengths - 1).sum() / sched["slot_steps"])
+    assert "rollout estimate (continuous engine)" in proc.stdout
+
+    proc, rep = _cli(tmp_path, *TINY, "rollout.engine=static",
+                     "--only", "rollout", "--lengths", spec)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    est = rep["rollout_estimate"]
+    assert est["engine"] == "static" and est["decode_steps"] == static_steps(lengths, 8)
+    assert np.isfinite(est["estimated_ms"]) and est["estimated_ms"] > 0
+    bad, _ = _cli(tmp_path, *TINY, "--only", "rollout", "--lengths", "uniform:3")
+    assert bad.returncode == 2 and "lognormal:MEDIAN:SIGMA" in bad.stderr
+
+
 def test_plan_reports_an_oversized_rollout_as_not_fitting(tmp_path):
     """32768 rows x 4095 cache slots of a float32 KV cache: 16 GiB per chip of
     cache alone, more than a v5e chip's 16 GiB less the margin (the TPU

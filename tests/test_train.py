@@ -77,9 +77,10 @@ def test_sigterm_resume_is_bit_identical(sft_model, tmp_path):
     uninterrupted run's state bit for bit; restarting at step 3 from the
     initial parameters instead ends elsewhere (so the restored state matters)."""
     from erpo_jax.data.iterator import QueryBatchIterator
+    # The continuous engine, its 8 slots refilled from 32 samples a step.
     common = [*ANSWERING, "train.steps=6", "loss.beta_query=0.1",
               "algo.weight_scheme=likelihood", "train.ckpt_every=100", "optim.epochs=2",
-              "optim.num_minibatches=2"]
+              "optim.num_minibatches=2", "rollout.engine=continuous", "rollout.slots=8"]
     full = tmp_path / "full"
     assert train(load_config(None, rl_args(sft_model, full, *common)))["status"] == "done"
 

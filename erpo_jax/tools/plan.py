@@ -342,11 +342,15 @@ def sample_lengths(spec: str, samples: int, cap: int, seed: int = 0):
     """Response lengths int[samples] drawn from `spec`, 'lognormal:MEDIAN:SIGMA'
     (rounded, at least 1, capped at max_new_tokens), with a fixed seed."""
     import numpy as np
+    from erpo_jax.train.config import ConfigError
     kind, *args = spec.split(":")
-    if kind != "lognormal" or len(args) != 2:
-        raise ValueError(f"erpo plan --lengths {spec!r}: use lognormal:MEDIAN:SIGMA, e.g. "
-                         "lognormal:800:0.8.")
-    median, sigma = float(args[0]), float(args[1])
+    try:
+        median, sigma = (float(a) for a in args) if kind == "lognormal" else (0.0, 0.0)
+    except ValueError:
+        median = 0.0
+    if not (median >= 1 and sigma >= 0):
+        raise ConfigError(f"--lengths {spec!r} is no length distribution: use "
+                          "lognormal:MEDIAN:SIGMA with MEDIAN >= 1, e.g. lognormal:800:0.8.")
     rng = np.random.default_rng(seed)
     return np.clip(np.round(rng.lognormal(np.log(median), sigma, samples)), 1, cap).astype(int)
 
@@ -376,8 +380,8 @@ def rollout_estimate(report: dict, cfg, top: Topology, spec: str) -> dict | None
     useful = int((lengths - 1).sum())
     out = {"lengths": spec, "samples": int(lengths.size), "mean_length": float(lengths.mean()),
            "median_length": float(np.median(lengths)),
-           "truncated_frac": float(np.mean(lengths >= N)), "engine": r.engine}
-    if r.engine == "static":
+           "truncated_frac": float(np.mean(lengths >= N)), "engine": report["_engine"].name}
+    if report["_engine"].name == "static":
         row = rows.get("rollout")
         if row is None or "decode_phases" not in row:
             return None

@@ -127,10 +127,12 @@ class RolloutSection:
     # step once more. 1 = one loop over the whole cache.
     cache_phases: int = 4
     # The rollout engine (rollout.engine): 'static' (a call's rows decode
-    # together until the longest ends) or 'continuous' (a pool of decode slots,
+    # together until the longest ends), 'continuous' (a pool of decode slots,
     # each refilled by the next pending sample when its sample ends; the same
-    # samples for the same key). README "Choosing a rollout engine".
-    engine: str = "static"
+    # samples for the same key) or 'auto': continuous on the real path
+    # (data.task=jsonl), whose response lengths vary, static on the embedded
+    # arithmetic task (`resolved_engine`). README "Choosing a rollout engine".
+    engine: str = "auto"
     # The continuous engine's decode slots (0: the static engine's rows per
     # call, max_prompts_per_call (or the batch) x group_size, rounded up to the
     # data-parallel size), and the free slots at which it stops decoding to
@@ -326,9 +328,9 @@ def _validate_ranges(cfg: RunConfig) -> None:
     _check_numbers(cfg)
     if r.top_k < 0:
         _fail("rollout.top_k", f"must be >= 0 (0 = no top-k), got {r.top_k}.")
-    if r.engine not in ENGINES:
+    if r.engine != "auto" and r.engine not in ENGINES:
         _fail("rollout.engine", f"is {r.engine!r}; the engines are "
-              f"{', '.join(repr(e) for e in ENGINES)}.")
+              f"{', '.join(repr(e) for e in ENGINES)} (or 'auto').")
     for name in ("slots", "refill"):
         if getattr(r, name) < 0:
             _fail(f"rollout.{name}", f"must be >= 0 (0 = automatic), got {getattr(r, name)}.")
@@ -658,3 +660,15 @@ def save_config(cfg: RunConfig, path) -> None:
 
 def load_any(path: str | None, overrides=(), cpu=False) -> Any:
     return load_config(path, overrides, cpu)
+
+
+def resolved_engine(cfg: RunConfig) -> str:
+    """The rollout engine a run of `cfg` uses: rollout.engine, where 'auto' is
+    'continuous' on the real path (data.task=jsonl: chat-templated prompts,
+    responses of every length) and 'static' on the embedded arithmetic task,
+    whose answers have nearly equal lengths (experiments/BENCHMARKS.md,
+    "Rollout engines")."""
+    e = cfg.rollout.engine
+    if e != "auto":
+        return e
+    return "continuous" if cfg.data.task == "jsonl" else "static"

@@ -35,7 +35,7 @@ from erpo_jax.rl.shaping import is_token_level, shaped_advantages
 from erpo_jax.rollout.engine import make_engine
 from erpo_jax.rollout.sampler import SamplingConfig
 from erpo_jax.train import train_step as step_lib
-from erpo_jax.train.config import RunConfig
+from erpo_jax.train.config import RunConfig, resolved_engine
 from erpo_jax.train.evaluate import eval_samplers
 
 
@@ -69,8 +69,8 @@ def rollout_engine(cfg: RunConfig, model_cfg: ModelConfig, sampling: SamplingCon
     static engine's rows per call)."""
     r = cfg.rollout
     rows = (r.max_prompts_per_call or cfg.train.batch_size) * sampling.num_samples
-    return make_engine(r.engine, model_cfg, sampling, sharding, slots=r.slots, refill=r.refill,
-                       rows_per_call=rows)
+    return make_engine(resolved_engine(cfg), model_cfg, sampling, sharding, slots=r.slots,
+                       refill=r.refill, rows_per_call=rows)
 
 
 def rollout_sampling(cfg: RunConfig, eos_ids: Sequence[int], pad_id: int) -> SamplingConfig:
