@@ -15,7 +15,9 @@ from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, make_mesh
 from erpo_jax.rollout.continuous import ContinuousEngine
 from erpo_jax.rollout.engine import ENGINES, make_engine
-from erpo_jax.rollout.sampler import Rollout, Sampler, SamplingConfig
+from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+
+from engine_checks import assert_same_samples
 
 CFG = ModelConfig()          # the tiny preset: vocab 256, 2 layers
 KEY = jax.random.key(7)
@@ -34,16 +36,6 @@ def params():
 def _prompts(n: int, seed: int = 0, vocab: int = CFG.vocab_size):
     rng = np.random.default_rng(seed)
     return [rng.integers(21, vocab, size=k).tolist() for k in rng.integers(2, 14, size=n)]
-
-
-def assert_same_samples(a: Rollout, b: Rollout, what: str = "") -> None:
-    """b holds a's samples: every field equal, log-probs to float rounding."""
-    for f in Rollout._fields:
-        x, y = np.asarray(getattr(a, f)), np.asarray(getattr(b, f))
-        if f == "logp":
-            np.testing.assert_allclose(x, y, atol=2e-5, rtol=0, err_msg=f"{what} {f}")
-        else:
-            np.testing.assert_array_equal(x, y, err_msg=f"{what} {f}")
 
 
 SC = SamplingConfig(max_new_tokens=40, num_samples=4, eos_ids=EOS, top_k=50)
@@ -145,6 +137,13 @@ def test_bad_pools_are_refused_naming_the_field():
                                          "'continuous'"):
         make_engine("vllm", CFG, SC)
     assert set(ENGINES) == {"static", "continuous"}
+    # A cache that cannot hold the longest prompt and response: refused as the
+    # engine is built, before anything compiles.
+    long = SamplingConfig(max_new_tokens=100, max_prompt_len=CFG.max_position_embeddings)
+    for name in ENGINES:
+        with pytest.raises(ValueError, match=r"data.max_prompt_len \+ rollout.max_new_tokens\) "
+                                             r"exceeds the model's max_position_embeddings"):
+            make_engine(name, CFG, long, slots=4)
     # The automatic pool: the static engine's rows per call, on the data axes.
     assert make_engine("continuous", CFG, SC, sh, rows_per_call=10).slots == 12
 
@@ -156,3 +155,24 @@ def test_config_validation_names_engine_fields():
                        ("rollout.refill=-2", "rollout.refill.*>= 0")):
         with pytest.raises(ValueError, match=match):
             validate(apply_overrides(RunConfig(), [bad]))
+
+
+def test_arithmetic_checkpoint(sft_model):
+    """The session's SFT'd arithmetic checkpoint on its own task's prompts,
+    4 samples each at temperature 1 (answers of several lengths, EOS-ended):
+    pools smaller than, equal to and larger than G, none dividing the 40
+    samples, draw the static engine's samples."""
+    from erpo_jax.model.hf import load_hf
+    from erpo_jax.train.config import RunConfig, apply_overrides
+    from erpo_jax.train.tasks import load_task, load_tokenizer
+    tok = load_tokenizer(sft_model)
+    task = load_task(apply_overrides(RunConfig(), ["data.n_train=64", "data.n_test=4"]), tok)
+    cfg, p = load_hf(sft_model)
+    sc = SamplingConfig(max_new_tokens=40, num_samples=4, eos_ids=tok.eos_ids,
+                        pad_id=tok.pad_id, max_prompt_len=64)
+    prompts = task.train_prompts[:10]
+    want = Sampler(cfg, sc).sample(p, prompts, KEY)
+    assert len(set(want.lengths)) > 3 and want.lengths.min() < sc.max_new_tokens, want.lengths
+    for slots in (3, 4, 7):
+        got = ContinuousEngine(cfg, sc, slots=slots).sample(p, prompts, KEY)
+        assert_same_samples(want, got, f"arithmetic slots={slots}")

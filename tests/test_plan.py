@@ -113,8 +113,12 @@ def test_plan_estimates_both_rollout_engines_on_a_length_distribution(tmp_path):
     lengths = plan_lib.sample_lengths(spec, 8, 8)
     sched = schedule(lengths, 4, 0, [4], 2, [0, 4])
     assert est["engine"] == "continuous" and est["decode_steps"] == sched["steps"]
-    ms = sum(k * by[f"rollout decode {n}"]["estimated_ms"]
-             for n, k in sched["steps_by_size"].items())
+    # A decode step is costed by itself (its loop's program counts the body once).
+    step = by["rollout decode 4"]
+    assert step["step_bytes_accessed"] > 0 and step["decode_step"]["minimum_bytes"] > 0
+    assert step["step_ms"] == pytest.approx(1e3 * max(step["step_flops"] / 197e12,
+                                                      step["step_bytes_accessed"] / 819e9))
+    ms = sum(k * by[f"rollout decode {n}"]["step_ms"] for n, k in sched["steps_by_size"].items())
     ms += sum(k * by[f"rollout insert {q}"]["estimated_ms"] for q, k in sched["inserts"].items())
     assert est["estimated_ms"] == pytest.approx(ms)
     assert est["slot_utilization"] == pytest.approx((lengths - 1).sum() / sched["slot_steps"])

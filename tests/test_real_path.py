@@ -221,3 +221,33 @@ def test_sft_answers_in_boxed_and_exported_policy_matches_transformers(real_path
             with MathVerifyPool(num_workers=1) as pool:
                 rewards, _ = pool.verify_batch(list(zip(texts, golds)))
             assert rewards.sum() > 0, texts
+
+
+def test_continuous_engine_equals_static_on_the_chat_checkpoint(real_path):
+    """The SFT'd Qwen2-architecture checkpoint, chat-templated word problems,
+    4 samples each at temperature 1 (responses end at EOS after their boxed
+    answer, or run to max_new_tokens): the continuous engine draws the static
+    engine's samples with pools smaller than, equal to and larger than G,
+    none dividing the 32 samples. (The RL runs above used it: data.task=jsonl
+    resolves rollout.engine=auto to continuous.)"""
+    import jax
+
+    from engine_checks import assert_same_samples
+    from erpo_jax.model.hf import load_hf
+    from erpo_jax.rollout.continuous import ContinuousEngine
+    from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+    from erpo_jax.train.tasks import load_tokenizer
+    model_dir = real_path["sft"]
+    problems = word_problems(N_PROBLEMS)[:8]
+    _, _, prompts = _templated_prompts(model_dir, [p["question"] for p in problems])
+    ours = load_tokenizer(model_dir)
+    cfg, params = load_hf(model_dir)
+    sc = SamplingConfig(max_new_tokens=48, num_samples=4, eos_ids=ours.eos_ids,
+                        pad_id=ours.pad_id, max_prompt_len=128)
+    key = jax.random.key(11)
+    want = Sampler(cfg, sc).sample(params, prompts, key)
+    assert want.lengths.min() < sc.max_new_tokens and len(set(want.lengths)) > 3, want.lengths
+    for slots in (3, 4, 7):
+        got = ContinuousEngine(cfg, sc, slots=slots).sample(params, prompts, key)
+        assert_same_samples(want, got, f"slots={slots}")
+    assert real_path["runs"]["erpo"]["metrics"][-1]["rollout/slot_utilization"] > 0

@@ -56,10 +56,12 @@ class KVCache(NamedTuple):
     transpose; keys slot-minor, so one-token decode's scores reduce over K
     with the S slots as the vector lanes (measured on the CPU: a 25M model's
     rollout, 128 rows x 191 slots, 8% faster than with slot-major keys).
-    valid: bool[B, S] (slot holds a real token); index: the next slot to
-    write, int32[] shared by every row (the static sampler: every row at the
-    same slot) or int32[B], one per row (the continuous engine: each decode
-    slot holds a sample of its own, at its own step).
+    valid: bool[B, S] (slot holds a real token); index: int32[] next slot to
+    write, the same for every row. A cache read as a set (`hidden_states`
+    with causal_cache=False) lets its rows hold their tokens in any order:
+    the continuous rollout engine writes each step's keys at one shared slot
+    while each row's sample is at its own step, and marks in `valid` which
+    entries are its sample's.
     """
 
     k: tuple[jax.Array, ...]
@@ -200,8 +202,10 @@ class Attention(nn.Module):
             # write the T new keys/values at cache_index in place and attend
             # over all S slots.
             ck, cv = layer_cache
-            ck = _write_slots(ck, k.transpose(0, 2, 3, 1).astype(ck.dtype), cache_index, 3)
-            cv = _write_slots(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype), cache_index, 2)
+            ck = jax.lax.dynamic_update_slice(ck, k.transpose(0, 2, 3, 1).astype(ck.dtype),
+                                              (0, 0, 0, cache_index))
+            cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype),
+                                              (0, 0, cache_index, 0))
             k, v = constrain(ck, K_CACHE_AXES), constrain(cv, V_CACHE_AXES)
             new_cache, ks, vs = (k, v), "bnks", "bnsk"
             # Each row attends on the chip that holds its cache; under a
@@ -337,10 +341,14 @@ class Transformer(nn.Module):
 
 
 def _layer_inputs(embedding, cfg: ModelConfig, sharding: Sharding | None, tokens, positions,
-                  attn_mask, cache: KVCache | None):
+                  attn_mask, cache: KVCache | None, causal_cache: bool = True):
     """What every layer takes: embedded tokens x [B, T, D], RoPE cos/sin, the
     additive attention bias float32[B, T, S], and the cache's key-valid mask
-    with the new tokens written in (None without a cache)."""
+    with the new tokens written in (None without a cache). causal_cache=False:
+    a query attends to every valid cache entry, wherever it lies (keys carry
+    their positions in their RoPE rotation, so attention does not depend on
+    the entries' order); for one-token steps, whose valid entries are all
+    earlier tokens."""
     x = jnp.take(embedding, tokens, axis=0).astype(cfg.jnp_compute_dtype)
     if sharding is not None:
         x = sharding.constrain(x, ("batch", "length", "act_embed"))
@@ -350,32 +358,21 @@ def _layer_inputs(embedding, cfg: ModelConfig, sharding: Sharding | None, tokens
     if cache is None:
         q_slot, key_valid = jnp.arange(T), mask
     else:
-        index = cache.index
-        q_slot = (index[:, None] if index.ndim else index) + jnp.arange(T)
-        key_valid = _write_slots(cache.valid, mask, index, 1)
+        q_slot = cache.index + jnp.arange(T)
+        key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
+    if not causal_cache:
+        if T != 1:
+            raise ValueError(f"causal_cache=False is for one-token decode steps, got {T} tokens.")
+        q_slot = jnp.full((T,), key_valid.shape[1] - 1, jnp.int32)   # every entry is allowed
     bias = _attention_bias(q_slot, key_valid)
     return x, cos, sin, bias, (None if cache is None else key_valid)
 
 
-def _write_slots(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
-    """buf with `new` written along its slot axis `axis` from slot `index`:
-    one slice for a shared int32[] index; for a per-row int32[B] index, each
-    row's own slice (a scatter, in place in a loop carry)."""
-    if not index.ndim:
-        return jax.lax.dynamic_update_slice(buf, new, (0,) * axis + (index,)
-                                            + (0,) * (buf.ndim - axis - 1))
-    row = lambda b, n, i: jax.lax.dynamic_update_slice(
-        b, n, (0,) * (axis - 1) + (i,) + (0,) * (buf.ndim - axis - 1))
-    return jax.vmap(row)(buf, new, index)
-
-
 def _attention_bias(q_slot: jax.Array, key_valid: jax.Array) -> jax.Array:
-    """float32[B, T, S]: 0 where the query at slot q_slot[t] (int32[T], or
-    int32[B, T] with a per-row cache index) may attend key slot s
-    (s <= its slot and key_valid[b, s]), NEG_INF elsewhere."""
+    """float32[B, T, S]: 0 where the query at slot q_slot[t] may attend key
+    slot s (s <= q_slot[t] and key_valid[b, s]), NEG_INF elsewhere."""
     k_slot = jnp.arange(key_valid.shape[1])
-    q_slot = q_slot if q_slot.ndim == 2 else q_slot[None]
-    allowed = (k_slot[None, None, :] <= q_slot[:, :, None]) & key_valid[:, None, :]
+    allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]
     return jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)
 
 
@@ -428,7 +425,8 @@ def in_compute_dtype(params, cfg: ModelConfig) -> Any:
 
 
 def _hidden_unrolled(params, cfg: ModelConfig, tokens, positions, attn_mask,
-                     cache: KVCache | None, sharding: Sharding | None):
+                     cache: KVCache | None, sharding: Sharding | None,
+                     causal_cache: bool = True):
     """The layers one after another (each on its own cache buffers with a
     cache); returns final-normed hidden states and the updated cache."""
     layers = unstack_layers(params)["layers"]
@@ -437,7 +435,7 @@ def _hidden_unrolled(params, cfg: ModelConfig, tokens, positions, attn_mask,
         raise ValueError(f"forward: {len(layers)} parameter layers and {got} cache layers "
                          f"for a {cfg.num_layers}-layer model.")
     x, cos, sin, bias, key_valid = _layer_inputs(params["embed"], cfg, sharding, tokens,
-                                                 positions, attn_mask, cache)
+                                                 positions, attn_mask, cache, causal_cache)
     block = _block(cfg, sharding)
     index = jnp.zeros((), jnp.int32) if cache is None else cache.index
 
@@ -481,11 +479,15 @@ def forward(params, cfg: ModelConfig, tokens, positions=None, attn_mask=None,
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, positions=None, attn_mask=None,
-                  cache: KVCache | None = None, sharding: Sharding | None = None):
-    """Final-normed hidden states [B, T, D] (compute dtype) and the updated cache."""
+                  cache: KVCache | None = None, sharding: Sharding | None = None,
+                  causal_cache: bool = True):
+    """Final-normed hidden states [B, T, D] (compute dtype) and the updated
+    cache. causal_cache=False (one-token steps): the cache is read as a set,
+    every valid entry attended to wherever it lies (`KVCache`)."""
     positions, attn_mask = _defaults(tokens, positions, attn_mask)
     if cache is not None or not cfg.scans_layers:
-        return _hidden_unrolled(params, cfg, tokens, positions, attn_mask, cache, sharding)
+        return _hidden_unrolled(params, cfg, tokens, positions, attn_mask, cache, sharding,
+                                causal_cache)
     return _module(cfg, sharding).apply({"params": params}, tokens, positions, attn_mask,
                                         method=Transformer.hidden), None
 

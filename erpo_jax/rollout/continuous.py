@@ -5,8 +5,14 @@ The static sampler (`sampler.Sampler`) prefills a call's B x G rows together
 and decodes until the last of them ends, so every call costs its longest
 response. Here `slots` rows decode together; a sample leaves its slot when it
 ends and the next pending sample takes the slot, until all of the call's
-samples are done. Each slot holds its own sample at its own step: the KV
-cache has a per-row write index (`model.KVCache.index` int32[slots]).
+samples are done. Each slot holds its own sample at its own step, in a KV
+cache read as a set (`model.hidden_states(causal_cache=False)`): entries
+[0, P) hold the slot's prompt, and decode step s writes every slot's new
+key and value at the one shared entry P + s mod N, an in-place slice write
+as in the static sampler (a sample feeds at most N - 1 consecutive steps, so
+it never meets its own earlier entries), while `valid` marks which entries
+are the slot's sample's. Keys carry their positions in their RoPE rotation,
+so the order of the entries does not matter.
 
 Three jitted programs, and a host loop between them:
 
@@ -25,21 +31,22 @@ call: it never touches a token. Tokens, log-probs, lengths and EOS flags are
 scattered into [R, N] buffers on the device, indexed by sample, and come
 back as a `sampler.Rollout` in the static engine's row order.
 
-Exactness. A sample's slot holds the static sampler's layout: its prompt
-left-padded to the call's bucket P in cache slots [0, P), response token t
-fed into slot P + t. Its randomness is the static sampler's: sample
+Exactness. A sample's slot holds the static sampler's prompt layout (left-
+padded to the call's bucket P) and RoPE positions. Its randomness is the
+static sampler's: sample
 r = b * G + g (chunk c's local index with `max_prompts`) has the key
 fold_in(rng, r) (fold_in(fold_in(rng, c), r)), its N uniforms drawn from it
 at once (method 'inverse_cdf'), or fold_in(key, t) at its own step t
 ('gumbel'). So whatever the pool size and the order of refills, a sample's
 tokens are the static engine's and its log-probs agree with them to float
-rounding (the softmax sums run over another number of masked cache slots).
+rounding (the softmax sums run over the same keys in another order, among
+another number of masked entries).
 The log-prob convention is the `sampler` module's.
 
-What a decode step reads. Every slot's cache has S = P + N - 1 entries and
-each step's attention reads all of them, masked past the slot's own
-position (the static engine's cache phases do not carry over: the slots of
-a pool sit at every position at once). On TPU the step compiles to XLA's
+What a decode step reads. Every slot's cache has P + N entries (rounded up,
+`cache_length`) and each step's attention reads all of them, masked where
+invalid (the static engine's cache phases do not carry over: the slots of a
+pool sit at every step at once). On TPU the step compiles to XLA's
 dense attention over S slots (see experiments/BENCHMARKS.md for `erpo plan`
 on it).
 
@@ -86,7 +93,8 @@ class Stash:
 class PoolState:
     """The pool between programs (slots rows, R samples, N new tokens).
 
-    cache: KVCache over the slots, per-row index; last: int32[slots], the
+    cache: KVCache over the slots (index: the entry step `steps` writes);
+    last: int32[slots], the
     token fed next; positions: int32[slots], its RoPE position; t:
     int32[slots], tokens its sample has so far; live: bool[slots]; sample:
     int32[slots], the slot's sample (R when empty); keys: key[slots];
@@ -148,7 +156,7 @@ class _Logical:
         rep = lambda nd: (None,) * nd
         return PoolState(
             cache=model_lib.KVCache((model_lib.K_CACHE_AXES,) * L, (model_lib.V_CACHE_AXES,) * L,
-                                    ("rows", "cache_length"), ("rows",)),
+                                    ("rows", "cache_length"), ()),
             last=slot1, positions=slot1, t=slot1, live=slot1, sample=slot1, keys=slot1,
             uniforms=slot2,
             stash=Stash((rep(4),) * L, (rep(4),) * L, rep(2), rep(2), rep(1)),
@@ -260,15 +268,26 @@ class ContinuousEngine:
         return schedule(lengths, self.slots, self.refill, self.pool_sizes(),
                         self.sampling.num_samples, self._query_buckets(num_prompts))
 
+    def cache_length(self, P: int) -> int:
+        """Entries of each slot's KV cache for prompts of bucket P: P for the
+        prompt and N for the ring of response entries, rounded up to a
+        multiple of 8 on the CPU and of 128 elsewhere. The pool's cache crosses its programs' boundaries, so
+        its layout there is the default one; on TPU the loop's own layout
+        (slots of 128 lanes) is that default only at a multiple of 128,
+        where otherwise every decode call would copy the whole cache into it
+        and back (`erpo plan`: 43.6 of a 1.5B decode call's bytes on v4-8 at
+        4095 entries)."""
+        align = 8 if platform_of(self.sharding) == "cpu" else 128
+        return -(-(P + self.sampling.max_new_tokens) // align) * align
+
     def _abstract_state(self, R: int, P: int, n: int = 0) -> PoolState:
         return jax.eval_shape(lambda: self._empty(jax.random.key(0), R, P, 0, n))
 
     def _empty(self, rng, R: int, P: int, per_call: int, n: int = 0) -> PoolState:
         cfg, sc, n = self.cfg, self.sampling, n or self.slots
         N, G = sc.max_new_tokens, sc.num_samples
-        S, L = P + N - 1, cfg.num_layers
+        S, L = self.cache_length(P), cfg.num_layers
         cache = model_lib.init_cache(cfg, n, S)
-        cache = cache._replace(index=jnp.full((n,), P, jnp.int32))
         cd, Nk, K = cfg.jnp_compute_dtype, cfg.num_kv_heads, cfg.head_dim
         stash = Stash(tuple(jnp.zeros((1, Nk, K, P), cd) for _ in range(L)),
                       tuple(jnp.zeros((1, Nk, P, K), cd) for _ in range(L)),
@@ -381,8 +400,7 @@ class ContinuousEngine:
             cache = model_lib.KVCache(
                 tuple(put(b, p, 3, model_lib.K_CACHE_AXES) for b, p in zip(cache.k, st.k)),
                 tuple(put(b, p, 2, model_lib.V_CACHE_AXES) for b, p in zip(cache.v, st.v)),
-                put(valid, st.valid, 1, ("rows", "cache_length")),
-                jnp.where(new, P, cache.index))
+                put(valid, st.valid, 1, ("rows", "cache_length")), cache.index)
             keys = _select_keys(new, s.sample_keys, sample, R, s.keys)
             uniforms = jnp.where(new[:, None], _uniforms(keys, sc), s.uniforms)
             tok, lp = _choose(take(st.logits), keys, uniforms, jnp.zeros((n,), jnp.int32), sc,
@@ -415,24 +433,27 @@ class ContinuousEngine:
             cache = s.cache
             return dataclasses.replace(
                 s, cache=model_lib.KVCache(tuple(map(take, cache.k)), tuple(map(take, cache.v)),
-                                           take(cache.valid), take(cache.index)),
+                                           take(cache.valid), cache.index),
                 last=take(s.last), positions=take(s.positions), t=take(s.t),
                 live=take(s.live), sample=take(s.sample), keys=take(s.keys),
                 uniforms=take(s.uniforms))
         # Not donated: the smaller pool cannot reuse the larger one's buffers.
         return self._jit(shrink, self._abstract_state(R, P, n // 2), donate=False)
 
-    def _make_decode(self, R, P, per_call, Q, n):
+    def _step(self, R: int, P: int, n: int):
+        """One decode step of a pool of n slots: step(params, head, state)."""
         cfg, sc, sh = self.cfg, self.sampling, self.sharding
         N, plat = sc.max_new_tokens, platform_of(self.sharding)
         stationary = None if sh is None else sh.weight_stationary()
 
         def step(params, head, s: PoolState) -> PoolState:
+            # Every slot writes at one entry of the response ring; `valid`
+            # keeps to each slot's own sample (reset by its insert).
+            ring = s.cache._replace(index=P + s.steps % N)
             h, cache = model_lib.hidden_states(params, cfg, s.last[:, None],
                                                s.positions[:, None],
-                                               jnp.ones((n, 1), bool), cache=s.cache,
-                                               sharding=stationary)
-            cache = cache._replace(index=jnp.minimum(cache.index, P + N - 2))
+                                               jnp.ones((n, 1), bool), cache=ring,
+                                               sharding=stationary, causal_cache=False)
             logits = head_logits(h[:, 0], head, cfg, sh)
             tok, lp = _choose(logits, s.keys, s.uniforms, jnp.minimum(s.t, N - 1), sc, plat)
             live = s.live
@@ -449,6 +470,40 @@ class ContinuousEngine:
                 lengths=s.lengths.at[row].set(t, mode="drop"),
                 ended=s.ended.at[row].set(hit, mode="drop"),
                 steps=s.steps + 1, useful=s.useful + jnp.sum(live, dtype=jnp.int32))
+
+        return step
+
+    def lower_decode_step(self, params, num_prompts: int, longest_prompt: int, n: int = 0):
+        """One decode step of the pool of n slots (default `slots`) lowered by
+        itself, as `Sampler.lower_decode_step` lowers the static one: the
+        compute-dtype per-layer weights and the head as the `weights`
+        program makes them, the state donated, the KV cache in layouts of
+        the compiler's choice. For `erpo plan`, whose cost analysis counts a
+        loop body once: the decode program's own numbers also count what the
+        compiler stages around its loop."""
+        from jax.experimental.layout import Format, Layout
+        B, P = self.batch_shape(num_prompts, longest_prompt)
+        R, n = B * self.sampling.num_samples, n or self.slots
+        like = self._abstract_state(R, P, n)
+        w, head = self._abstract_weights(params)
+        step = self._step(R, P, n)
+        if self.sharding is None:
+            return jax.jit(step, donate_argnums=(2,)).lower(w, head, like)
+        shardings = self._state_shardings(like)
+        auto = lambda a: Format(Layout.AUTO, a)
+        formats = dataclasses.replace(shardings, cache=shardings.cache._replace(
+            k=tuple(map(auto, shardings.cache.k)), v=tuple(map(auto, shardings.cache.v))))
+        state = jax.tree_util.tree_map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like, shardings)
+        fn = jax.jit(step, donate_argnums=(2,),
+                     in_shardings=(jax.tree_util.tree_map(lambda a: a.sharding, w),
+                                   head.sharding, formats),
+                     out_shardings=formats, compiler_options=xla_options.for_steps())
+        return fn.lower(w, head, state)
+
+    def _make_decode(self, R, P, per_call, Q, n):
+        sh = self.sharding
+        step = self._step(R, P, n)
 
         def decode(s: PoolState, params, head, refill):
             """Decode steps until `refill` slots are free or none is live."""
@@ -515,7 +570,8 @@ class ContinuousEngine:
                             i32(self.slots), i32(self.slots), i32())))
         sizes = self.pool_sizes()
         for n in sizes:
-            out.append((f"decode {n}", f"{n} slots x {P + N - 1} cache entries, {R} samples",
+            out.append((f"decode {n}", f"{n} slots x {self.cache_length(P)} cache entries, "
+                                       f"{R} samples",
                         lambda n=n: self._program("decode", R, P, n=n).lower(
                             state(n), w, head, i32())))
             if every and n > sizes[-1]:

@@ -161,8 +161,10 @@ class SamplingConfig:
         total = self.max_prompt_len + self.max_new_tokens
         if total > cfg.max_position_embeddings:
             raise ValueError(
-                f"max_prompt_len + max_new_tokens = {total} exceeds the model's "
-                f"max_position_embeddings ({cfg.max_position_embeddings}); shorten one of them.")
+                f"max_prompt_len + max_new_tokens = {total} (in a run config "
+                f"data.max_prompt_len + rollout.max_new_tokens) exceeds the model's "
+                f"max_position_embeddings ({cfg.max_position_embeddings}): no KV cache slot "
+                "holds a position past it; shorten one of them.")
 
 
 class Rollout(NamedTuple):

@@ -280,11 +280,29 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
             report["programs"].append(row)
             say(f"  {prog.name:<18} DOES NOT FIT: {row['compiler_error']}")
             continue
-        if prog.part:   # a continuous engine's program: its loop body is one decode step
+        if prog.part:   # one of a continuous engine's programs
             row["flops"], row["bytes_accessed"] = row["xla_flops"], row["xla_bytes_accessed"]
             row["part"], row["group"] = prog.part, prog.group
-            if prog.part == f"decode {prog.rows}" and prog.group == "rollout" and decode_step:
-                row["decode_step"] = _decode_traffic(row, progs, prog.rows, model_cfg, mesh)
+            if prog.part.startswith("decode") and decode_step:
+                # Its loop body counted once, with what the compiler stages
+                # around the loop: one step is costed by itself instead, as
+                # the static sampler's are (`lower_decode_step`).
+                engine = {"rollout": progs.sampler, "eval greedy": progs.eval_greedy,
+                          "eval sampled": progs.eval_sampled}[prog.group]
+                n = int(prog.part.split()[1])
+                step = _measure(engine.lower_decode_step(
+                    progs.abstract_params(), cfg.train.batch_size, cfg.data.max_prompt_len, n),
+                    top, margin)
+                row["step_flops"], row["step_bytes_accessed"] = (step["xla_flops"],
+                                                                 step["xla_bytes_accessed"])
+                row["step_ms"] = 1e3 * max(step["xla_flops"] / top.peak_flops,
+                                           step["xla_bytes_accessed"] / top.hbm_bytes_per_s)
+                if n == engine.slots:
+                    row["decode_step"] = _decode_traffic(step, progs, n, model_cfg, mesh,
+                                                         engine.cache_length(
+                                                             engine.batch_shape(
+                                                                 cfg.train.batch_size,
+                                                                 cfg.data.max_prompt_len)[1]))
         elif prog.name in ("rollout", "eval greedy", "eval sampled") and not decode_step:
             row["flops"], row["bytes_accessed"] = row["xla_flops"], row["xla_bytes_accessed"]
         elif prog.name in ("rollout", "eval greedy", "eval sampled"):
@@ -405,7 +423,7 @@ def rollout_estimate(report: dict, cfg, top: Topology, spec: str) -> dict | None
         [f"rollout insert {q}" for q in sched["inserts"]]
     if any(k not in rows for k in need):
         return None
-    ms = lambda name: rows[name]["estimated_ms"]
+    ms = lambda name: rows[name].get("step_ms", rows[name]["estimated_ms"])
     decode = sum(k * ms(f"rollout decode {n}") for n, k in sched["steps_by_size"].items())
     insert = sum(k * ms(f"rollout insert {q}") for q, k in sched["inserts"].items())
     out.update(decode_steps=sched["steps"], slot_utilization=useful / sched["slot_steps"],
@@ -441,7 +459,8 @@ def _formula_gib(cfg, prog, top: Topology, mesh_shape, data_size: int) -> float 
     return est["rollout_peak"] if prog.name == "rollout" else est["train_peak_remat"]
 
 
-def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh) -> dict:
+def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh,
+                    cache_length: int | None = None) -> dict:
     """One decode step's bytes accessed against the minimum: every weight (in
     the compute dtype, which the sampler's decode loop reads: a copy made
     once per call, `model.in_compute_dtype`) and the whole KV cache read
@@ -457,7 +476,7 @@ def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh) -> dict:
     weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * min(x.dtype.itemsize, cd)
                   for x in jax.tree_util.tree_leaves(params))
     cfg = progs.cfg
-    S = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens - 1
+    S = cache_length or cfg.data.max_prompt_len + cfg.rollout.max_new_tokens - 1
     kv_heads_split = mesh.shape["tensor"] if model_cfg.num_kv_heads % mesh.shape["tensor"] == 0 \
         else 1
     data = progs.sharding.data_size

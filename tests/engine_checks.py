@@ -1,0 +1,17 @@
+"""What the rollout-engine tests share: two rollouts hold the same samples."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from erpo_jax.rollout.sampler import Rollout
+
+
+def assert_same_samples(a: Rollout, b: Rollout, what: str = "") -> None:
+    """b holds a's samples: every field equal, log-probs to float rounding."""
+    for f in Rollout._fields:
+        x, y = np.asarray(getattr(a, f)), np.asarray(getattr(b, f))
+        if f == "logp":
+            np.testing.assert_allclose(x, y, atol=2e-5, rtol=0, err_msg=f"{what} {f}")
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=f"{what} {f}")
