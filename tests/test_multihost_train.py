@@ -84,7 +84,11 @@ def test_two_process_training_matches_one_process(sft_model, tmp_path):
     for key in AFTER:
         assert got[0][key] == pytest.approx(want[0][key], rel=5e-3), key
     for key in (*BEFORE, *AFTER):
+        if key == "loss":   # pg_loss + beta_query * query_kl, nearly cancelling by step 2:
+            continue        # its terms are held to 0.5% each, the sum to that of its terms
         assert got[1][key] == pytest.approx(want[1][key], rel=5e-3, abs=1e-7), key
+    terms = abs(want[1]["pg_loss"]) + 0.1 * abs(want[1]["query_kl"])
+    assert got[1]["loss"] == pytest.approx(want[1]["loss"], abs=5e-3 * terms + 1e-7)
     # The single files exist once, written by process 0; checkpoints were saved.
     assert (multi / "config.json").is_file()
     assert len(list((multi.parent / "refcache").glob("refpass-*.npz"))) == 2
