@@ -1,0 +1,40 @@
+"""BENCHMARKS.md "Session 16" tables from `erpo plan --only rollout --json`
+reports of the two rollout engines (experiments/results/plan/engines/).
+
+    .venv/bin/python experiments/profiles/engine_plan_table.py experiments/results/plan/engines/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+GIB = 2 ** 30
+
+
+def main(paths: list[str]) -> None:
+    reports = [json.load(open(p)) for p in paths]
+    print("| config | topology | engine | decode steps per RL step | slot utilisation "
+          "| rollout est. s per RL step | largest program peak GiB/chip | one decode step "
+          "reads GiB/chip (x minimum) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for r in sorted(reports, key=lambda r: (r["config"], r["rollout_estimate"]["engine"])):
+        e = r["rollout_estimate"]
+        peak = max(p["peak_gib"] for p in r["programs"])
+        step = next(p["decode_step"] for p in r["programs"] if "decode_step" in p)
+        print(f"| {r['config']} | {r['topology']} | {e['engine']} | {e['decode_steps']:,} "
+              f"| {100 * e['slot_utilization']:.0f}% | {e['estimated_ms'] / 1e3:.1f} "
+              f"| {peak:.2f} | {step['bytes_accessed'] / GIB:.2f} ({step['ratio']:.2f}x) |")
+    print()
+    print("| config | topology | program | peak GiB/chip | est. ms per call (per step for "
+          "a decode) | compile s |")
+    print("|---|---|---|---:|---:|---:|")
+    for r in reports:
+        for p in r["programs"]:
+            ms = p.get("step_ms", p["estimated_ms"])
+            print(f"| {r['config']} | {r['topology']} | {p['name']} ({p['shapes']}) "
+                  f"| {p['peak_gib']:.2f} | {ms:,.1f} | {p['compile_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
