@@ -1,4 +1,5 @@
-"""What the rollout-engine tests share: two rollouts hold the same samples."""
+"""What the rollout-engine tests share: two rollouts hold the same samples;
+the sizes of a compiled program's all-gathers."""
 
 from __future__ import annotations
 
@@ -15,3 +16,14 @@ def assert_same_samples(a: Rollout, b: Rollout, what: str = "") -> None:
             np.testing.assert_allclose(x, y, atol=2e-5, rtol=0, err_msg=f"{what} {f}")
         else:
             np.testing.assert_array_equal(x, y, err_msg=f"{what} {f}")
+
+
+def all_gather_sizes(hlo: str) -> list[int]:
+    """Element counts of the outputs of every all-gather in optimized HLO text."""
+    import re
+    sizes = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \(?\w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", line)
+        if m:
+            sizes.append(int(np.prod([int(d) for d in m.group(1).split(",") if d])))
+    return sizes

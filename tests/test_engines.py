@@ -17,7 +17,7 @@ from erpo_jax.rollout.continuous import ContinuousEngine
 from erpo_jax.rollout.engine import ENGINES, make_engine
 from erpo_jax.rollout.sampler import Sampler, SamplingConfig
 
-from engine_checks import assert_same_samples
+from engine_checks import all_gather_sizes, assert_same_samples
 
 CFG = ModelConfig()          # the tiny preset: vocab 256, 2 layers
 KEY = jax.random.key(7)
@@ -176,3 +176,28 @@ def test_arithmetic_checkpoint(sft_model):
     for slots in (3, 4, 7):
         got = ContinuousEngine(cfg, sc, slots=slots).sample(p, prompts, KEY)
         assert_same_samples(want, got, f"arithmetic slots={slots}")
+
+
+def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):
+    """The continuous engine's decode loop on an FSDP mesh gathers no weight,
+    as the static sampler's step (test_sampler's twin): every all-gather is
+    activation-sized; under the training rules it would gather every weight."""
+    sharding = Sharding(make_mesh((1, 4, 1), jax.devices()[:4]))
+    sc = SamplingConfig(max_new_tokens=8, num_samples=2, eos_ids=EOS)
+    engine = ContinuousEngine(CFG, sc, sharding, slots=8)
+    abstract = jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        params, model_lib.param_shardings(CFG, sharding))
+    per_layer = [a.shape[1:] for a in jax.tree_util.tree_leaves(params["layers"])]
+    smallest_matrix = min(int(np.prod(s)) for s in per_layer if len(s) >= 2)
+    assert 8 * CFG.hidden_size <= smallest_matrix / 2, "shapes too close to tell apart"
+
+    def gathered():
+        decode = dict((n, f) for n, _, f in engine.programs(abstract, 8, 8))["decode 8"]
+        return all_gather_sizes(decode().compile().as_text())
+
+    sizes = gathered()
+    assert sizes and max(sizes) < smallest_matrix, (sizes, smallest_matrix)
+    engine._programs.clear()
+    monkeypatch.setattr(Sharding, "weight_stationary", lambda self: self)
+    assert sum(n >= smallest_matrix for n in gathered()) >= 4 * CFG.num_layers

@@ -20,6 +20,7 @@ from erpo_jax.rollout.decode import decode_responses, response_lengths, truncate
 from erpo_jax.rollout.sampler import (MIN_PHASE_TOKENS, Sampler, SamplingConfig, bucket_length,
                                       cache_phase_lengths, kth_largest, rollout_key,
                                       truncate_logits)
+from engine_checks import all_gather_sizes as _all_gather_sizes
 from hf_models import build_tiny_hf
 
 CFG = ModelConfig()  # the tiny preset: vocab 256, 2 layers
@@ -518,17 +519,6 @@ def test_decode_stops_at_first_eos():
     with pytest.raises(ValueError, match="exactly one"):
         decode_responses(ids, [2])
 
-
-
-def _all_gather_sizes(hlo: str) -> list[int]:
-    """Element counts of the outputs of every all-gather in optimized HLO text."""
-    import re
-    sizes = []
-    for line in hlo.splitlines():
-        m = re.search(r"= \(?\w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", line)
-        if m:
-            sizes.append(int(np.prod([int(d) for d in m.group(1).split(",") if d])))
-    return sizes
 
 
 def test_decode_step_moves_activations_not_weights(params, monkeypatch):
