@@ -155,6 +155,13 @@ def test_config_validation_names_engine_fields():
                        ("rollout.refill=-2", "rollout.refill.*>= 0")):
         with pytest.raises(ValueError, match=match):
             validate(apply_overrides(RunConfig(), [bad]))
+    # Against the mesh, before the policy loads: 6 slots over 4 data-parallel devices.
+    with pytest.raises(ValueError, match=r"config field rollout.slots: is 6, not a multiple of "
+                                         r"the data-parallel size 4.*set it to 8"):
+        validate(apply_overrides(RunConfig(), ["rollout.engine=continuous", "rollout.slots=6",
+                                               "mesh.shape=-1,1,1", "train.batch_size=16"]), 4)
+    validate(apply_overrides(RunConfig(), ["rollout.engine=static", "rollout.slots=6",
+                                           "mesh.shape=-1,1,1", "train.batch_size=16"]), 4)
 
 
 def test_arithmetic_checkpoint(sft_model):

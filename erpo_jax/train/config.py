@@ -495,6 +495,10 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
             _fail("optim.micro_batches", f"a micro-batch has {micro_rows} rows, which is not "
                   f"divisible by the data-parallel size {data_par}; change train.batch_size, "
                   "rollout.group_size or the mesh.")
+        if resolved_engine(cfg) == "continuous" and r.slots % data_par:
+            _fail("rollout.slots", f"is {r.slots}, not a multiple of the data-parallel size "
+                  f"{data_par}: the continuous engine's slots lie over the data axes; set it "
+                  f"to {-(-r.slots // data_par) * data_par}.")
     return cfg
 
 
