@@ -148,3 +148,45 @@ def test_cli_expands_an_experiment_directory(runs, capsys):
     args = parser.parse_args(["report", str(root), "--out", str(root / "x"), "--baseline", "nope"])
     with pytest.raises(ValueError, match="--baseline 'nope'"):
         args.func(args)
+
+
+def _table_rows(md: str) -> list[list[str]]:
+    """Every markdown table in `md` as its rows' cell counts, table by table."""
+    tables, cur = [], []
+    for line in md.splitlines() + [""]:
+        if line.startswith("|"):
+            assert line.endswith("|"), line
+            cur.append(line)
+        elif cur:
+            tables.append(cur)
+            cur = []
+    return tables
+
+
+def _check_tables(md: str) -> int:
+    tables = _table_rows(md)
+    for t in tables:
+        counts = [len(row.strip().strip("|").split("|")) for row in t]
+        assert len(set(counts)) == 1, (counts, t)
+        assert re.fullmatch(r"\|(---\|)+", t[1]), t[1]
+        assert all(c.strip() for c in t[0].strip("|").split("|")), t[0]  # no empty header cell
+    return len(tables)
+
+
+@pytest.mark.parametrize("evals", ["none", "no_sets", "sets"])
+def test_every_table_is_valid_markdown_with_or_without_evaluations(runs, evals):
+    """Issue 36 item 12: runs without evaluations gave the accuracy table 6 header cells
+    (a trailing empty one) and 5 delimiter cells; every row of every table has one count."""
+    root, dirs, _ = runs
+    for d in dirs:
+        if evals == "none":
+            (d / "evals.jsonl").unlink()
+        elif evals == "no_sets":
+            rows = [json.loads(x) for x in (d / "evals.jsonl").read_text().splitlines()]
+            for r in rows:
+                r["sets"] = {}
+                r["average"] = {"greedy_acc": r["average"]["greedy_acc"]}
+            (d / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = report.write_report(dirs, root / "out", comparisons=[("erpo", "grpo+policy_kl")]
+                             ).read_text()
+    assert _check_tables(md) >= 3

@@ -217,22 +217,29 @@ def _sampled_keys(runs: Sequence[dict]) -> list[str]:
     return sorted(keys, key=lambda k: int(k.split("@")[1]))
 
 
+def _row(cells: Sequence[str]) -> str:
+    """One markdown table row: '| a | b |'."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def _header(cells: Sequence[str]) -> list[str]:
+    """A table's header row and its delimiter row, one '---' per header cell."""
+    return [_row(cells), "|" + "---|" * len(cells)]
+
+
 def accuracy_table(runs: Sequence[dict]) -> list[str]:
     sets = sorted({k for r in runs for k in eval_table(r).get("final", {}) if k != "average"})
     sampled = _sampled_keys(runs)
-    lines = ["| method | seeds | initial avg | final avg | best avg | "
-             + "".join(f"final avg {k} | " for k in sampled)
-             + " | ".join(f"final {s}" for s in sets) + " |",
-             "|" + "---|" * (5 + len(sampled) + len(sets))]
+    lines = _header(["method", "seeds", "initial avg", "final avg", "best avg"]
+                    + [f"final avg {k}" for k in sampled] + [f"final {s}" for s in sets])
     for name, rs in group(runs).items():
         tabs = [t for t in (eval_table(r) for r in rs) if t]
         cell = lambda part, key: fmt(*mean_ci([t[part].get(key, np.nan) for t in tabs]))
         finals = [r["evals"][-1]["average"] for r in rs if r["evals"]]
-        lines.append(f"| {name} | {len(rs)} | {cell('initial', 'average')} | "
-                     f"{cell('final', 'average')} | {cell('best', 'average')} | "
-                     + "".join(f"{fmt(*mean_ci([f.get(k) for f in finals]))} | "
-                               for k in sampled)
-                     + " | ".join(cell("final", s) for s in sets) + " |")
+        lines.append(_row([name, str(len(rs)), cell("initial", "average"),
+                           cell("final", "average"), cell("best", "average")]
+                          + [fmt(*mean_ci([f.get(k) for f in finals])) for k in sampled]
+                          + [cell("final", s) for s in sets]))
     return lines
 
 
