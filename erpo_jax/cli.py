@@ -9,10 +9,13 @@
     erpo bench  [--quick]
     erpo plan   --config FILE --topology v4-8 [--json out.json] [--suggest]
     erpo demo   (the embedded CPU demo: SFT, then RL three ways, then a summary)
+    erpo config --show [--config FILE] [section.field=value ...]
 
 Every config field can be overridden with `section.field=value`, anywhere on
 the line; invalid values fail before anything compiles, with a sentence naming
-the field. `erpo eval` writes its results beside the model it evaluates
+the field. `erpo config --show [--config FILE] [overrides]` lists every field
+with the value it resolves to and its doc (the sections are defined in
+erpo_jax/train/config.py). `erpo eval` writes its results beside the model it evaluates
 (`<model>-eval-...`, or `--out DIR`), never into a training run's directory
 unless `--into-run` says so (then as an eval of the run, not a training step).
 
@@ -142,6 +145,15 @@ def _eval(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    from erpo_jax.train.config_doc import show_lines
+    from erpo_jax.train.methods import resolve_method
+    cfg = resolve_method(_load(args))   # the method's coefficients, as the run saves them
+    args.run_dir = None
+    print("\n".join(show_lines(cfg, docs=not args.no_docs)))
+    return 0
+
+
 def _demo(args) -> int:
     from erpo_jax.tools.demo import run_demo
     return run_demo(args)
@@ -150,20 +162,32 @@ def _demo(args) -> int:
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="experiment file (.py with get_config) or .json")
     p.add_argument("--cpu", action="store_true", help="use the file's get_cpu_config()")
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides, anywhere on "
+                   "the line; every field, its value and its doc: erpo config --show "
+                   "[--config FILE] [overrides]")
+
+
+# Where every field is listed, in the help of each command that takes a config.
+FIELDS_EPILOG = ("Every field (section.field), the value it resolves to for a --config and "
+                 "overrides, and its doc: `erpo config --show [--config FILE] [--cpu] "
+                 "[section.field=value ...]`; the sections are defined in "
+                 "erpo_jax/train/config.py.")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="erpo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("sft", help="supervised fine-tuning (the warm start / reference model)")
+    p = sub.add_parser("sft", help="supervised fine-tuning (the warm start / reference model)",
+                       epilog=FIELDS_EPILOG)
     _config_args(p)
     p.set_defaults(func=_sft)
-    p = sub.add_parser("train", help="RL training (GRPO / PPO / REINFORCE, with ERPO)")
+    p = sub.add_parser("train", help="RL training (GRPO / PPO / REINFORCE, with ERPO)",
+                       epilog=FIELDS_EPILOG)
     _config_args(p)
     p.set_defaults(func=_train)
-    p = sub.add_parser("eval", help="greedy pass@1 and sampled pass@k on the evaluation sets")
+    p = sub.add_parser("eval", help="greedy pass@1 and sampled pass@k on the evaluation sets",
+                       epilog=FIELDS_EPILOG)
     _config_args(p)
     p.add_argument("--checkpoint", default=None, help="an HF-format model directory to evaluate "
                    "(a run's is <out_dir>/model)")
@@ -181,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(sub)
     bench.add_parser(sub)
     plan.add_parser(sub)
+    p = sub.add_parser("config", help="every config field with its resolved value and doc",
+                       epilog=FIELDS_EPILOG)
+    _config_args(p)
+    p.add_argument("--show", action="store_true", help="print the resolved config, one "
+                   "section.field = value line per field with its doc (the default action)")
+    p.add_argument("--no-docs", action="store_true", help="values only")
+    p.set_defaults(func=_config)
     p = sub.add_parser("demo", help="the embedded CPU demo (no download)")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--quick", action="store_true", help="a minimal run for smoke tests")

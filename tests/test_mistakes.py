@@ -7,6 +7,7 @@ the session's tiny SFT model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -260,3 +261,99 @@ def test_overrides_are_accepted_anywhere_on_the_line(tmp_path, capsys):
     assert "config field train.eval_max_problems" in _err(capsys)
     with pytest.raises(SystemExit):   # a stray flag is still argparse's error
         cli._parse(["train", "--config", "F", "a.b=1", "--nope"])
+
+
+def test_the_unread_fields_are_removed_and_old_config_files_still_load(tmp_path, capsys):
+    """train.log_every and train.samples_per_eval were read by nothing: removed. A
+    config.json written with them loads (they are dropped), a resume is not refused
+    over them, and an override of one is refused naming it."""
+    from erpo_jax.train.config import (REMOVED_FIELDS, RunConfig, TrainSection, config_dict,
+                                       load_config, normalized)
+    names = {f.name for f in dataclasses.fields(TrainSection)}
+    assert "log_every" not in names and "samples_per_eval" not in names
+    assert set(REMOVED_FIELDS) == {"train.log_every", "train.samples_per_eval"}
+    old = config_dict(RunConfig())
+    old["train"].update(log_every=5, samples_per_eval=8)
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert load_config(str(tmp_path / "config.json")) == RunConfig()
+    assert normalized(old) == config_dict(RunConfig())
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    rundir.record_config(tmp_path, config_dict(RunConfig()), normalized, resuming=True,
+                         allow_change=False, start_step=2)   # not refused
+    assert cli.main(["train", *RANDOM, "train.log_every=5"]) == 2
+    err = _err(capsys)
+    assert len(err.splitlines()) == 1 and "config field train.log_every: was removed" in err
+
+
+def test_deleting_config_json_does_not_bypass_the_config_guard(tmp_path):
+    """With config.json gone, the last start in config_history.jsonl is what a
+    resumed run's config is checked against."""
+    from erpo_jax.train.config import config_dict, load_config, normalized
+    old = config_dict(load_config(None, ["optim.lr=5e-5"]))
+    new = config_dict(load_config(None, ["optim.lr=0.5"]))
+    rundir.record_config(tmp_path, old, normalized, resuming=False, allow_change=False,
+                         start_step=0)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config field train.allow_config_change: .*"
+                                         r"optim.lr: 5e-05 -> 0.5.*config_history.jsonl"):
+        rundir.record_config(tmp_path, new, normalized, resuming=True, allow_change=False,
+                             start_step=3)
+    assert not (tmp_path / "config.json").exists()
+    rundir.record_config(tmp_path, old, normalized, resuming=True, allow_change=False,
+                         start_step=3)   # the same config resumes
+    assert rundir.read_json(tmp_path / "config.json") == old
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_failed_start_leaves_no_new_config_json(tmp_path, capsys, monkeypatch, command):
+    """A start that fails after the config check (here: the policy does not load)
+    leaves config.json and config_history.jsonl as they were: none, or the last
+    start's."""
+    from erpo_jax.train import sft
+
+    def broken(*a, **k):
+        raise ValueError("model.path: the policy does not load (test)")
+    monkeypatch.setattr(loop if command == "train" else sft, "load_policy", broken)
+    run = tmp_path / "run"
+    assert cli.main([command, *RANDOM, f"train.out_dir={run}"]) == 1
+    assert "the policy does not load" in _err(capsys)
+    assert not (run / "config.json").exists()
+    assert not (run / "config_history.jsonl").exists()
+    # A run whose last start recorded its config keeps it through a failed start
+    # with another config.
+    before = {}
+    for name, text in (("config.json", '{"train": {"steps": 1}}'),
+                       ("config_history.jsonl", '{"config": {"train": {"steps": 1}}}\n')):
+        (run / name).write_text(text)
+        before[name] = text
+    assert cli.main([command, *RANDOM, f"train.out_dir={run}", "train.steps=7"]) == 1
+    assert {n: (run / n).read_text() for n in before} == before
+
+
+def test_train_help_says_where_every_field_is_and_config_show_lists_them(tmp_path, capsys):
+    """`erpo train --help` names `erpo config --show`, which prints every field of the
+    resolved config (file, overrides, method) with its value and, where the source
+    documents it, its doc."""
+    from erpo_jax.train.config import RunConfig, config_dict
+    for command in ("train", "sft", "eval"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([command, "--help"])
+        assert e.value.code == 0
+        assert "erpo config --show" in " ".join(capsys.readouterr().out.split()), command
+    cfg = _files(tmp_path) / "no_cpu.py"
+    assert cli.main(["config", "--show", "--config", str(cfg), "train.steps=3",
+                     "algo.method=erpo"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    shown = {x.split(" = ")[0]: x for x in out if not x.startswith("#")}
+
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    assert set(shown) == set(leaves(config_dict(RunConfig())))
+    assert shown["train.steps"] == "train.steps = 3"
+    assert shown["loss.beta_query"].startswith("loss.beta_query = 0.1   # Query-KL coefficient")
+    assert "# verifier processes." in shown["reward.workers"]                    # a docstring
+    assert "# passes over each rollout" in shown["optim.epochs"]                # a comment
+    assert "(resolves to 'static')" in shown["rollout.engine"]
+    assert cli.main(["config", "--show", "train.stepz=3"]) == 2
+    assert "config field train.stepz" in _err(capsys)

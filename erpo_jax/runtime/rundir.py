@@ -16,6 +16,7 @@ interruption at any instant:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -144,7 +145,8 @@ def write_json(p: Any, obj: Any, **kw) -> None:
 # Fields a resumed run may change freely: they do not touch the numbers it computes.
 FREE_ON_RESUME = ("train.progress", "train.compile_cache", "train.compile_ahead",
                   "train.allow_config_change", "train.out_dir", "train.ref_cache_dir",
-                  "train.log_every")
+                  # removed fields (train.config.REMOVED_FIELDS), in old config.json files
+                  "train.log_every", "train.samples_per_eval")
 
 
 def changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -159,32 +161,74 @@ def changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, An
     return out
 
 
-def record_config(run_dir: Any, new: dict, normalize: Callable[[dict], dict], resuming: bool,
-                  allow_change: bool, start_step: int) -> None:
-    """Check `new` against the run's config.json and write it, with a line in
-    config_history.jsonl. A resumed run (`resuming`: a checkpoint exists) whose
-    config differs in a field outside FREE_ON_RESUME is refused, unless
-    `allow_change`, with a ValueError listing the fields."""
-    import time
+def last_config(run_dir: Any) -> tuple[dict | None, str]:
+    """The config the run's last start recorded, and where it was read: config.json,
+    else the last row of config_history.jsonl (a deleted config.json does not
+    make a run with checkpoints look new); (None, '') when neither holds one."""
     run_dir = path(run_dir)
-    saved = run_dir / "config.json"
-    changes = []
+    saved, hist = run_dir / "config.json", run_dir / "config_history.jsonl"
     if saved.exists():
-        changes = [c for c in changed_fields(normalize(read_json(saved)), new)
+        return read_json(saved), str(saved)
+    if hist.exists():
+        rows = [r for r in read_jsonl(hist) if isinstance(r, dict)
+                and isinstance(r.get("config"), dict)]
+        if rows:
+            return rows[-1]["config"], f"{hist} (its last row; config.json is missing)"
+    return None, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigRecord:
+    """A start's config, checked against the run's (`check_config`) and not yet
+    written: `write_config` writes it once the start has succeeded, so a start
+    that fails leaves config.json and config_history.jsonl as they were."""
+    run_dir: Any
+    config: dict
+    changed: tuple[str, ...]
+    start_step: int
+
+
+def check_config(run_dir: Any, new: dict, normalize: Callable[[dict], dict], resuming: bool,
+                 allow_change: bool, start_step: int) -> ConfigRecord:
+    """Check `new` against the run's last recorded config (`last_config`). A
+    resumed run (`resuming`: a checkpoint exists) whose config differs in a field
+    outside FREE_ON_RESUME is refused, unless `allow_change`, with a ValueError
+    listing the fields. Writes nothing."""
+    run_dir = path(run_dir)
+    old, where = last_config(run_dir)
+    changes = []
+    if old is not None:
+        changes = [c for c in changed_fields(normalize(old), new)
                    if c[0] not in FREE_ON_RESUME]
     if resuming and changes and not allow_change:
         listed = "; ".join(f"{n}: {a!r} -> {b!r}" for n, a, b in changes[:8])
         more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
         raise ValueError(f"config field train.allow_config_change: {run_dir} holds a checkpoint "
-                         f"of step {start_step} made with a different config ({listed}{more}); "
-                         "rerun with the old values, use a new train.out_dir, or set "
-                         "train.allow_config_change=true to resume with the changes.")
-    write_json(saved, new, indent=2, sort_keys=True)
+                         f"of step {start_step} made with a different config ({listed}{more}; "
+                         f"the old one read from {where}); rerun with the old values, use a new "
+                         "train.out_dir, or set train.allow_config_change=true to resume with "
+                         "the changes.")
+    return ConfigRecord(run_dir, new, tuple(n for n, _, _ in changes), start_step)
+
+
+def write_config(record: ConfigRecord) -> None:
+    """Write a checked config (`check_config`) to config.json, with a line in
+    config_history.jsonl."""
+    import time
+    run_dir = path(record.run_dir)
+    write_json(run_dir / "config.json", record.config, indent=2, sort_keys=True)
     hist = run_dir / "config_history.jsonl"
     old_rows = hist.read_bytes() if hist.exists() else b""
-    row = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "start_step": start_step,
-           "changed": [n for n, _, _ in changes], "config": new}
+    row = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "start_step": record.start_step, "changed": list(record.changed),
+           "config": record.config}
     write_atomic(hist, old_rows + (json.dumps(row) + "\n").encode())
+
+
+def record_config(run_dir: Any, new: dict, normalize: Callable[[dict], dict], resuming: bool,
+                  allow_change: bool, start_step: int) -> None:
+    """`check_config` then `write_config` at once."""
+    write_config(check_config(run_dir, new, normalize, resuming, allow_change, start_step))
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -98,11 +98,12 @@ class DataSection:
 class RewardSection:
     """The math-verify pool (data.task='jsonl').
 
-    workers: verifier processes; timeout_s: wall-time limit per comparison
-    (the worker is killed and the response scores 0, reason 'timeout');
+    workers: verifier processes.
+    timeout_s: wall-time limit per comparison (the worker is killed and the
+      response scores 0, reason 'timeout').
     batch_budget_s: wall-time limit per scored batch, 0 = none: what is left
-    when it runs out scores 0 with reason 'over_budget' (metric
-    reward/over_budget).
+      when it runs out scores 0 with reason 'over_budget' (metric
+      reward/over_budget).
     """
 
     workers: int = 2
@@ -193,7 +194,6 @@ class TrainSection:
     batch_size: int = 16  # queries per RL step (B); rows are B * group_size
     seed: int = 0
     out_dir: str = "runs/train"
-    log_every: int = 1
     eval_every: int = 20
     eval_n: int = 1  # samples per problem for pass@k (k <= n); 1 = greedy only
     eval_temperature: float = 1.0
@@ -212,7 +212,6 @@ class TrainSection:
     allow_config_change: bool = False
     tensorboard: bool = True  # TensorBoard events in <out_dir>/tb (local run directories only)
     max_nonfinite: int = 3
-    samples_per_eval: int = 4
     progress: bool = True
     ref_cache_dir: str = ""  # default: <out_dir>/../.refcache (shared by sibling runs)
     ref_batch_size: int = 64
@@ -354,13 +353,11 @@ def _validate_ranges(cfg: RunConfig) -> None:
     m, d = cfg.model, cfg.data
     for name, v in (("model.logprob_chunk", m.logprob_chunk), ("train.ref_batch_size",
                     t.ref_batch_size), ("train.eval_max_problems", t.eval_max_problems),
-                    ("data.n_train", d.n_train), ("data.n_test", d.n_test),
-                    ("train.log_every", t.log_every)):
+                    ("data.n_train", d.n_train), ("data.n_test", d.n_test)):
         if v < 1:
             _fail(name, f"must be >= 1, got {v}.")
     for name, v in (("train.seed", t.seed), ("data.seed", d.seed),
-                    ("rollout.min_new_tokens", r.min_new_tokens),
-                    ("train.samples_per_eval", t.samples_per_eval)):
+                    ("rollout.min_new_tokens", r.min_new_tokens)):
         if v < 0:
             _fail(name, f"must be >= 0, got {v}.")
     for name, v in (("model.param_dtype", m.param_dtype),
@@ -543,6 +540,8 @@ def apply_overrides(cfg, overrides: list[str]):
 def _replace_path(obj, parts: list[str], text: str, full: str):
     hints = typing.get_type_hints(type(obj))
     name = parts[0]
+    if full in REMOVED_FIELDS:
+        _fail(full, f"was removed ({REMOVED_FIELDS[full]}); drop it from the command line.")
     if name not in hints:
         fields = ", ".join(f.name for f in dataclasses.fields(obj))
         _fail(full, f"{type(obj).__name__} has no field {name!r} (fields: {fields}).")
@@ -556,6 +555,14 @@ def _replace_path(obj, parts: list[str], text: str, full: str):
         _fail(full, str(e))
 
 
+# Fields that once existed and were removed: a config.json written before still
+# loads (they are dropped, with what they did), an override of one is refused.
+REMOVED_FIELDS = {
+    "train.log_every": "nothing read it: every step's metrics are logged",
+    "train.samples_per_eval": "nothing read it: train.eval_n sets the samples per problem",
+}
+
+
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build a (nested) config dataclass from a dict, e.g. a saved config.json;
     a value of the wrong type, or an unknown field, names its dotted field."""
@@ -566,6 +573,8 @@ def from_dict(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for k, v in data.items():
         name = f"{prefix}{k}"
+        if name in REMOVED_FIELDS:
+            continue
         if k not in hints:
             _fail(name if prefix else f"{cls.__name__}.{k}", "is not a known field.")
         t = hints[k]

@@ -117,9 +117,12 @@ class Trainer:
                                           t.ckpt_every)
         latest = self.ckpt.latest_step()
         if self.primary:
-            rundir.record_config(self.run_dir, config_dict(cfg), normalized,
-                                 resuming=latest is not None,
-                                 allow_change=t.allow_config_change, start_step=latest or 0)
+            # Checked now, written once the start has succeeded (a failed start
+            # leaves config.json and config_history.jsonl as they were).
+            config_record = rundir.check_config(self.run_dir, config_dict(cfg), normalized,
+                                                resuming=latest is not None,
+                                                allow_change=t.allow_config_change,
+                                                start_step=latest or 0)
             print(describe_method(cfg), flush=True)
         self.model_cfg, params, self.tokenizer = load_policy(cfg, self.sharding)
         check_finite(params, f"the starting policy ({cfg.model.init} {cfg.model.path})")
@@ -191,6 +194,7 @@ class Trainer:
             self.start_step = int(meta["step"])
             self.iterator.set_state(meta["data"])
         if self.primary:   # every per-step file holds what the checkpoint covers, once
+            rundir.write_config(config_record)
             s0 = self.start_step
             self.writer.truncate_after(s0)
             keep_evals(self.run_dir, lambda s: s <= s0 if s0 > 0 else False)

@@ -87,8 +87,11 @@ def _run_sft(cfg: RunConfig, sharding, run_dir, primary: bool) -> dict:
     try:
         if primary:
             latest = ckpt.latest_step()
-            rundir.record_config(run_dir, config_dict(cfg), normalized, start_step=latest or 0,
-                                 resuming=latest is not None, allow_change=t.allow_config_change)
+            # Checked now, written once the start has succeeded (below).
+            config_record = rundir.check_config(run_dir, config_dict(cfg), normalized,
+                                                start_step=latest or 0,
+                                                resuming=latest is not None,
+                                                allow_change=t.allow_config_change)
         model_cfg, params, tok = load_policy(cfg, sharding)
         check_finite(params, f"the starting model ({cfg.model.init})")
         task = load_task(cfg, tok, drift=False)   # SFT measures no drift: every row trains
@@ -128,6 +131,8 @@ def _run_sft(cfg: RunConfig, sharding, run_dir, primary: bool) -> dict:
             state, meta = ckpt.restore(state)
             start = int(meta["step"])
             iterator.set_state(meta["data"])
+        if primary:
+            rundir.write_config(config_record)
         writer = MetricsWriter(run_dir, primary, t.tensorboard)
         writer.truncate_after(start)
         put = lambda x: jax.device_put(x, sharding.named(("batch", None)))
