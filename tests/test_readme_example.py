@@ -52,3 +52,51 @@ def test_every_experiment_file_the_docs_name_exists_and_loads():
         assert (ROOT / rel).is_file(), rel
         cfg = load_config(str(ROOT / rel))
         validate(cfg)
+
+
+def _real_path_recipe() -> list[list[str]]:
+    """The README's real-path block (`erpo sft model.init=hf ...`, then `erpo
+    train`), each command's arguments as a shell would split them."""
+    import shlex
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", README, re.S)
+                 if "erpo sft   model.init=hf" in b)
+    joined = block.replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in joined.splitlines() if line.strip()]
+
+
+def test_the_real_path_recipe_loads_its_task_as_printed(tmp_path, monkeypatch):
+    """The README's real-path recipe, as printed with only its paths
+    substituted (a tiny Qwen2.5-architecture checkpoint with a chat template,
+    a GSM8K-style JSONL): each command validates and loads its task, the
+    chat-templated prompts and the six benchmarks within the prompt length it
+    sets (the recipe once failed here: templated prompts are longer than the
+    default data.max_prompt_len)."""
+    import shutil
+
+    from benchmark_files import benchmarks_dir, require
+    from erpo_jax.train.tasks import load_task, load_tokenizer
+    from real_path import build_checkpoint, write_jsonl
+    bench = benchmarks_dir()
+    require(bench)
+    problems = word_problems(64)
+    base = build_checkpoint(tmp_path / "base", bench, problems)
+    write_jsonl(problems, tmp_path / "gsm8k_train.jsonl")
+    monkeypatch.chdir(tmp_path)   # the recipe's relative paths: runs/..., the JSONL
+    paths = {"/local/Qwen2.5-Math-1.5B-Instruct": str(base)}
+    commands = _real_path_recipe()
+    assert [c[:2] for c in commands] == [["erpo", "sft"], ["erpo", "train"]], commands
+    shutil.copytree(base, tmp_path / "runs" / "sft-gsm8k" / "model")   # what erpo sft exports
+    def substitute(arg: str) -> str:
+        field, _, value = arg.partition("=")
+        return f"{field}={paths[value]}" if value in paths else arg
+
+    for argv in commands:
+        # The benchmarks' default directory is relative to the checkout: a path too.
+        overrides = [*map(substitute, argv[2:]), f"data.benchmarks_dir={bench}"]
+        cfg = validate(load_config(None, overrides))
+        task = load_task(cfg, load_tokenizer(cfg.model.path), drift=argv[1] == "train")
+        assert len(task.train) == len(problems) - (cfg.train.drift_queries
+                                                   if argv[1] == "train" and not task.eval_sets
+                                                   else 0)
+        if argv[1] == "train":
+            assert sorted(task.eval_sets) == sorted(cfg.data.eval_benchmarks)
