@@ -100,3 +100,26 @@ def test_the_real_path_recipe_loads_its_task_as_printed(tmp_path, monkeypatch):
                                                    else 0)
         if argv[1] == "train":
             assert sorted(task.eval_sets) == sorted(cfg.data.eval_benchmarks)
+
+
+def test_every_command_of_the_using_it_block_parses_and_its_config_validates():
+    """Each `erpo` line of the README's "Using it" block, as printed (FILE and
+    runs/x/model stand for a path the reader has): the command line parses,
+    and its config file with its overrides loads and validates (--cpu where
+    the line asks for it). Running them is the experiments' own tests' job
+    (a full SFT, training runs, a TPU plan, the tunix peer)."""
+    import shlex
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", README, re.S)
+                 if "erpo sft   --config" in b)
+    lines = [shlex.split(x, comments=True) for x in block.splitlines()]
+    lines = [x for x in lines if x]
+    assert [x[1] for x in lines] == ["sft", "train", "eval", "inspect-grads", "plan", "bench",
+                                     "config"], lines
+    for argv in lines:
+        argv = [("experiments/main_comparison.py" if a == "FILE" else a) for a in argv]
+        args = cli._parse(argv[1:])
+        assert args.command == argv[1]
+        if getattr(args, "config", None):
+            cfg = load_config(str(ROOT / args.config), getattr(args, "overrides", None) or [],
+                              cpu=getattr(args, "cpu", False))
+            validate(cfg)
