@@ -58,8 +58,7 @@ are replicated (a step scatters slots tokens into them).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -146,22 +145,19 @@ def _hit_eos(tok: jax.Array, sc: SamplingConfig) -> jax.Array:
     return jnp.isin(tok, jnp.array(sc.eos_ids, jnp.int32))
 
 
-class _Logical:
-    """Logical axes of every PoolState leaf (None: replicated)."""
-
-    @staticmethod
-    def of(state_like: PoolState) -> PoolState:
-        L = len(state_like.cache.k)
-        slot1, slot2 = ("batch",), ("batch", None)
-        rep = lambda nd: (None,) * nd
-        return PoolState(
-            cache=model_lib.KVCache((model_lib.K_CACHE_AXES,) * L, (model_lib.V_CACHE_AXES,) * L,
-                                    ("rows", "cache_length"), ()),
-            last=slot1, positions=slot1, t=slot1, live=slot1, sample=slot1, keys=slot1,
-            uniforms=slot2,
-            stash=Stash((rep(4),) * L, (rep(4),) * L, rep(2), rep(2), rep(1)),
-            tokens=rep(2), logp=rep(2), lengths=rep(1), ended=rep(1), sample_keys=rep(1),
-            steps=(), useful=())
+def _logical_axes(state_like: PoolState) -> PoolState:
+    """The logical axes of every PoolState leaf (None: replicated)."""
+    L = len(state_like.cache.k)
+    slot1, slot2 = ("batch",), ("batch", None)
+    rep = lambda nd: (None,) * nd
+    return PoolState(
+        cache=model_lib.KVCache((model_lib.K_CACHE_AXES,) * L, (model_lib.V_CACHE_AXES,) * L,
+                                ("rows", "cache_length"), ()),
+        last=slot1, positions=slot1, t=slot1, live=slot1, sample=slot1, keys=slot1,
+        uniforms=slot2,
+        stash=Stash((rep(4),) * L, (rep(4),) * L, rep(2), rep(2), rep(1)),
+        tokens=rep(2), logp=rep(2), lengths=rep(1), ended=rep(1), sample_keys=rep(1),
+        steps=(), useful=())
 
 
 class ContinuousEngine:
@@ -216,7 +212,7 @@ class ContinuousEngine:
     def _state_shardings(self, like: PoolState):
         if self.sharding is None:
             return None
-        return jax.tree_util.tree_map(lambda ax: self.sharding.named(ax), _Logical.of(like),
+        return jax.tree_util.tree_map(lambda ax: self.sharding.named(ax), _logical_axes(like),
                                       is_leaf=lambda x: isinstance(x, tuple) and all(
                                           a is None or isinstance(a, str) for a in x))
 
@@ -540,8 +536,7 @@ class ContinuousEngine:
         and the decode loop at each pool size; every=True adds the small ones
         (start, weights and the pool's shrinks), which `erpo plan` leaves out."""
         B, P = self.batch_shape(num_prompts, longest_prompt)
-        G, R = self.sampling.num_samples, B * self.sampling.num_samples
-        N = self.sampling.max_new_tokens
+        R = B * self.sampling.num_samples
         per_call = max_prompts if 0 < max_prompts < num_prompts else 0
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
 
