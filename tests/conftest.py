@@ -33,7 +33,7 @@ import pytest  # noqa: E402
 LONGEST_FIRST = ("test_train.py", "test_plan.py", "test_faults.py", "test_chaos.py",
                  "test_bench.py", "test_model.py", "test_real_path.py", "test_experiments.py",
                  "test_sharding.py", "test_method_run.py", "test_sampler.py",
-                 "test_multihost_train.py")
+                 "test_multihost_train.py", "test_engines.py")
 
 
 def pytest_collection_modifyitems(items):
