@@ -120,9 +120,11 @@ def test_no_retrace_and_a_handful_of_programs(params):
     assert engine.num_traces == traces
 
 
-@pytest.mark.parametrize("mesh", [(4, 2, 1), (2, 1, 2)])
+@pytest.mark.parametrize("mesh", [(4, 2, 1), (2, 1, 2), (1, 1, 1)])
 def test_sharded_equals_static(params, static_out, mesh):
-    sh = Sharding(make_mesh(mesh))
+    """On meshes of 8, 4 and one device (a one-device run: the head's
+    sharding is then the replicated one)."""
+    sh = Sharding(make_mesh(mesh, jax.devices()[:int(np.prod(mesh))]))
     p = jax.device_put(params, model_lib.param_shardings(CFG, sh))
     out = ContinuousEngine(CFG, SC, sh, slots=8).sample(p, PROMPTS, KEY)
     assert_same_samples(static_out, out, f"mesh={mesh}")

@@ -355,8 +355,9 @@ class ContinuousEngine:
                                       {k: v for k, v in w.items() if k != "layers"}),
              "layers": tuple(jax.tree_util.tree_map(unstacked, params["layers"], layer)
                              for layer in w["layers"])}
-        head = jax.ShapeDtypeStruct(head.shape, head.dtype, sharding=sh.named(
-            sampler_lib.decode_head_axes(cfg, sh)))
+        axes = sampler_lib.decode_head_axes(cfg, sh)   # None on a one-device mesh
+        head = jax.ShapeDtypeStruct(head.shape, head.dtype, sharding=sh.replicated()
+                                    if axes is None else sh.named(axes))
         return w, head
 
     def _make_insert(self, R, P, per_call, Q, n):

@@ -274,7 +274,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=["tunix"], default=None,
                    help="rl_iteration side by side with google-tunix on its configs "
                         "(erpo_jax/tools/bench/peer.py)")
-    p.add_argument("--peer-sizes", nargs="+", choices=["tiny", "small"],
+    p.add_argument("--peer-sizes", nargs="+", choices=["tiny", "small", "varied"],
                    default=["tiny", "small"])
     p.add_argument("--peer-reps", type=int, default=3, help="interleaved repetitions")
     p.add_argument("--peer-iters", type=int, default=6, help="RL iterations per process")

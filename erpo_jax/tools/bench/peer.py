@@ -26,6 +26,7 @@ matmul peak measured in the same run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -45,7 +46,17 @@ CONFIGS = {
                  micro_batches=1),
     "small": dict(preset="peer-small", prompts=16, group=8, prompt_len=64, new_tokens=128,
                   micro_batches=4),
+    # The small shapes with 256 new tokens and EOS-varied lengths: both sides add
+    # VARIED_EOS_BIAS to the EOS logit of a near-uniform random model, with no
+    # top-k, so a response ends at EOS with probability about 4 / 256 per step
+    # (tunix: `tunix_varied.py`; erpo-jax: `bench_trainer(eos_bias=...)`, the
+    # continuous engine).
+    "varied": dict(preset="peer-small", prompts=16, group=8, prompt_len=64, new_tokens=256,
+                   micro_batches=4),
 }
+# exp(bias / temperature) = 4 (V - 1) / N at V = 8192, N = 256, temperature 0.9.
+VARIED_EOS_BIAS = round(0.9 * math.log(4 * 8191 / 256), 3)
+VARIED = dict(top_k=0, engine="continuous", eos_bias=VARIED_EOS_BIAS)
 # What the peer script fixes, applied to the Trainer's config.
 MATCH = dict(beta_policy=0.04, temperature=0.9, top_k=50,
              optim=dict(lr=1e-3, weight_decay=1e-4, max_grad_norm=0.0))
@@ -106,8 +117,14 @@ def parse_peer(stdout: str) -> list[float]:
 
 
 def run_peer(size: str, iters: int, script: Path, python: Path, timeout: float = 1800) -> dict:
-    proc = subprocess.run([str(python), str(script), str(iters)], capture_output=True,
-                          text=True, timeout=timeout, env=_clean_env(PEER_SIZE=size))
+    if size == "varied":
+        cmd = [str(python), str(Path(__file__).with_name("tunix_varied.py")), str(script),
+               str(iters)]
+        env = _clean_env(PEER_EOS_BIAS=str(VARIED_EOS_BIAS),
+                         PEER_NEW_TOKENS=str(CONFIGS[size]["new_tokens"]))
+    else:
+        cmd, env = [str(python), str(script), str(iters)], _clean_env(PEER_SIZE=size)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode:
         raise RuntimeError(f"bench --peer: tunix ({size}) exited {proc.returncode}:\n"
                            f"{proc.stderr[-3000:]}")
@@ -116,8 +133,8 @@ def run_peer(size: str, iters: int, script: Path, python: Path, timeout: float =
 
 
 def run_ours(size: str, iters: int, timeout: float = 1800, share_query: bool = True) -> dict:
-    spec = {**CONFIGS[size], **MATCH, "name": size, "iters": iters, "mesh": (1, 1, 1),
-            "share_query": share_query}
+    spec = {**CONFIGS[size], **MATCH, **(VARIED if size == "varied" else {}), "name": size,
+            "iters": iters, "mesh": (1, 1, 1), "share_query": share_query}
     repo = str(REPO)
     proc = subprocess.run([sys.executable, "-c", _OURS, json.dumps(spec)], capture_output=True,
                           text=True, timeout=timeout,

@@ -37,10 +37,15 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
                   new_tokens: int, iters: int, micro_batches: int = 1,
                   beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
                   compile_cache: str = "off", temperature: float = 1.0, top_k: int = 0,
-                  optim: dict | None = None, share_query: bool = True):
+                  optim: dict | None = None, share_query: bool = True, engine: str = "auto",
+                  eos_bias: float = 0.0):
     """A Trainer on a random `preset` model whose training prompts are padded to
     `prompt_len` tokens (the arithmetic task), yielded with its setup seconds:
-    the RL iteration of `rl_iteration` (and of a profile of it) without its timing."""
+    the RL iteration of `rl_iteration` (and of a profile of it) without its timing.
+    engine: rollout.engine. eos_bias: added to the sampler's logits of the
+    tokenizer's EOS ids (a random model's responses then end at EOS with a
+    probability set by the bias: the peer's `varied` config, `tunix_varied.py`;
+    the update's log-probs do not see it)."""
     from erpo_jax.train import loop as loop_lib
     from erpo_jax.train.config import (AlgoSection, DataSection, MeshSection, ModelSection,
                                        OptimSection, RolloutSection, RunConfig, TrainSection)
@@ -50,7 +55,7 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
                                                       share_query=share_query),
             data=DataSection(n_train=max(64, prompts), n_test=4, max_prompt_len=prompt_len),
             rollout=RolloutSection(group_size=group, max_new_tokens=new_tokens,
-                                   temperature=temperature, top_k=top_k),
+                                   temperature=temperature, top_k=top_k, engine=engine),
             algo=AlgoSection(method="grpo_policy_kl" if beta_policy > 0 else "no_kl"),
             loss=LossConfig(beta_policy=beta_policy),
             optim=OptimSection(micro_batches=micro_batches, **(optim or {})),
@@ -60,12 +65,32 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
                                eval_max_problems=4, progress=False,
                                ref_cache_dir=f"{tmp}/ref", compile_cache=compile_cache))
         t0 = time.perf_counter()
-        with mock.patch.object(loop_lib, "load_task", _padded_task_loader(prompt_len)):
-            trainer = loop_lib.Trainer(cfg)
-        try:
-            yield trainer, time.perf_counter() - t0
-        finally:
-            trainer.close()
+        with contextlib.ExitStack() as patches:
+            if eos_bias:
+                _bias_eos_logits(patches, eos_bias)
+            with mock.patch.object(loop_lib, "load_task", _padded_task_loader(prompt_len)):
+                trainer = loop_lib.Trainer(cfg)
+            try:
+                yield trainer, time.perf_counter() - t0
+            finally:
+                trainer.close()
+
+
+def _bias_eos_logits(patches: contextlib.ExitStack, bias: float) -> None:
+    """Add `bias` to the logits of the arithmetic tokenizer's EOS ids in both
+    rollout engines' sampling (for as long as `patches` holds)."""
+    import jax.numpy as jnp
+
+    from erpo_jax.rollout import continuous, sampler
+    from erpo_jax.train.tasks import load_tokenizer
+    eos = jnp.asarray(load_tokenizer(None).eos_ids, jnp.int32)
+    plain = sampler.head_logits
+
+    def biased(h, head, cfg, sharding=None):
+        return plain(h, head, cfg, sharding).at[:, eos].add(bias)
+
+    for module in (sampler, continuous):
+        patches.enter_context(mock.patch.object(module, "head_logits", biased))
 
 
 def rl_iteration(iters: int, **spec) -> dict:
@@ -83,12 +108,13 @@ def rl_iteration(iters: int, **spec) -> dict:
     see `first_iteration_cached`), temperature, top_k, optim (OptimSection
     fields): as a peer runs them."""
     with bench_trainer(iters=iters, **spec) as (trainer, setup):
-        times, parts, losses = [], [], []
+        times, parts, losses, lengths = [], [], [], []
         for step in range(iters):
             t0 = time.perf_counter()
             batch, cb, info, part, ro = trainer._rl_batch(step)
             t1 = time.perf_counter()
             losses.append(trainer._update(batch, cb, step)["loss"])
+            lengths.append(info["response_len_mean"])
             times.append(time.perf_counter() - t0)
             parts.append({**part, "time/update": time.perf_counter() - t1})
         ref_calls, cache_dir = trainer.ref_forward_calls, trainer.compile_cache
@@ -102,7 +128,7 @@ def rl_iteration(iters: int, **spec) -> dict:
             "steady_breakdown_s": breakdown, "first_breakdown_s": parts[0], "ref_forward_calls": ref_calls,
             "iter_s": times, "parts": parts,
             "path": "Trainer._rl_batch + Trainer._update", "peak_rss_mib": peak_rss_mib(),
-            "losses": losses, "compile_cache": cache_dir}
+            "losses": losses, "compile_cache": cache_dir, "response_len_mean": lengths}
 
 
 _CHILD = """
