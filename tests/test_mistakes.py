@@ -304,6 +304,29 @@ def test_deleting_config_json_does_not_bypass_the_config_guard(tmp_path):
     assert rundir.read_json(tmp_path / "config.json") == old
 
 
+def test_recorded_row_counts_in_config_json_neither_block_a_resume_nor_loading(tmp_path):
+    """config.json's data_rows (what a start trained on and held out) is a
+    record, not a field: the same config resumes against it, and the file
+    loads as a config (erpo train --config runs/x/config.json)."""
+    from erpo_jax.train.config import ConfigError, config_dict, load_config, normalized
+    cfg = config_dict(load_config(None, ["optim.lr=5e-5"]))
+    rows = {"train": 92, "held_out": {"drift (train.drift_queries)": 8}, "dropped": {},
+            "eval": {}}
+    record = rundir.check_config(tmp_path, cfg, normalized, resuming=False, allow_change=False,
+                                 start_step=0)
+    rundir.write_config(record, {"data_rows": rows})
+    saved = rundir.read_json(tmp_path / "config.json")
+    assert saved["data_rows"] == rows
+    assert rundir.read_jsonl(tmp_path / "config_history.jsonl")[-1]["config"]["data_rows"] == rows
+    again = rundir.check_config(tmp_path, cfg, normalized, resuming=True, allow_change=False,
+                                start_step=4)
+    assert again.changed == ()
+    assert config_dict(load_config(str(tmp_path / "config.json"))) == cfg
+    (tmp_path / "bad.json").write_text(json.dumps({**cfg, "data_rowz": rows}))
+    with pytest.raises(ConfigError, match="data_rowz"):   # only the recorded keys are skipped
+        load_config(str(tmp_path / "bad.json"))
+
+
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_a_failed_start_leaves_no_new_config_json(tmp_path, capsys, monkeypatch, command):
     """A start that fails after the config check (here: the policy does not load)

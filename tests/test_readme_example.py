@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from erpo_jax import cli
+from erpo_jax.data.benchmarks import BENCHMARKS
 from erpo_jax.train.config import load_config, validate
 
 from real_path import build_model, build_tokenizer, word_problems, write_generation_config
@@ -64,45 +65,47 @@ def _real_path_recipe() -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in joined.splitlines() if line.strip()]
 
 
-def test_the_real_path_recipe_loads_its_task_as_printed(tmp_path, monkeypatch):
-    """The README's real-path recipe, as printed with only its paths
-    substituted (a tiny Qwen2.5-architecture checkpoint with a chat template,
-    a GSM8K-style JSONL): each command validates and loads its task, the
-    chat-templated prompts and the six benchmarks within the prompt length it
-    sets (the recipe once failed here: templated prompts are longer than the
-    default data.max_prompt_len)."""
-    import shutil
+# What the recipe runs test sizes with: appended to each command as printed,
+# which sets every other field (the fields here are all of what is added).
+RECIPE_SCALE = ["train.steps=1", "train.batch_size=8", "rollout.group_size=2",
+                "rollout.max_new_tokens=8", "train.eval_max_problems=1", "train.eval_n=1",
+                "reward.workers=1", "train.progress=false", "train.tensorboard=false",
+                "train.drift_queries=4"]
+
+
+def test_the_real_path_recipe_runs_as_printed(tmp_path, monkeypatch, capsys):
+    """The README's real-path recipe run through the CLI, each command as
+    printed with its paths substituted and only RECIPE_SCALE's sizes added:
+    `erpo sft` exports runs/sft-gsm8k/model, `erpo train` starts from it (the
+    next command's model.path), evaluates on the six benchmarks and exports
+    runs/train/model, as the recipe's comment says. (The recipe once failed
+    here: its chat-templated prompts are longer than the default
+    data.max_prompt_len.)"""
+    import json
 
     from benchmark_files import benchmarks_dir, require
-    from erpo_jax.train.tasks import load_task, load_tokenizer
     from real_path import build_checkpoint, write_jsonl
     bench = benchmarks_dir()
     require(bench)
-    problems = word_problems(64)
+    problems = word_problems(32)
     base = build_checkpoint(tmp_path / "base", bench, problems)
     write_jsonl(problems, tmp_path / "gsm8k_train.jsonl")
-    monkeypatch.chdir(tmp_path)   # the recipe's relative paths: runs/..., the JSONL
+    monkeypatch.chdir(tmp_path)
     paths = {"/local/Qwen2.5-Math-1.5B-Instruct": str(base)}
-    commands = _real_path_recipe()
-    assert [c[:2] for c in commands] == [["erpo", "sft"], ["erpo", "train"]], commands
-    shutil.copytree(base, tmp_path / "runs" / "sft-gsm8k" / "model")   # what erpo sft exports
-    def substitute(arg: str) -> str:
-        field, _, value = arg.partition("=")
-        return f"{field}={paths[value]}" if value in paths else arg
-
-    for argv in commands:
-        # The benchmarks' default directory is relative to the checkout: a path too.
-        overrides = [*map(substitute, argv[2:]), f"data.benchmarks_dir={bench}"]
-        cfg = validate(load_config(None, overrides))
-        task = load_task(cfg, load_tokenizer(cfg.model.path), drift=argv[1] == "train")
-        assert len(task.train) == len(problems) - (cfg.train.drift_queries
-                                                   if argv[1] == "train" and not task.eval_sets
-                                                   else 0)
-        if argv[1] == "train":
-            assert sorted(task.eval_sets) == sorted(cfg.data.eval_benchmarks)
+    for argv in _real_path_recipe():
+        args = [f"{a.partition('=')[0]}={paths[a.partition('=')[2]]}"
+                if a.partition("=")[2] in paths else a for a in argv[1:]]
+        assert cli.main([*args, f"data.benchmarks_dir={bench}", *RECIPE_SCALE]) == 0, argv
+    out = capsys.readouterr().out
+    assert (tmp_path / "runs" / "sft-gsm8k" / "model" / "config.json").is_file()
+    assert (tmp_path / "runs" / "train" / "model" / "config.json").is_file(), out[-2000:]
+    evals = [json.loads(x) for x in
+             (tmp_path / "runs" / "train" / "evals.jsonl").read_text().splitlines()]
+    assert sorted(evals[-1]["sets"]) == sorted(BENCHMARKS)
 
 
-def test_every_command_of_the_using_it_block_parses_and_its_config_validates():
+def test_every_command_of_the_using_it_block_parses_and_its_config_validates(monkeypatch,
+                                                                             capsys):
     """Each `erpo` line of the README's "Using it" block, as printed (FILE and
     runs/x/model stand for a path the reader has): the command line parses,
     and its config file with its overrides loads and validates (--cpu where
@@ -123,3 +126,9 @@ def test_every_command_of_the_using_it_block_parses_and_its_config_validates():
             cfg = load_config(str(ROOT / args.config), getattr(args, "overrides", None) or [],
                               cpu=getattr(args, "cpu", False))
             validate(cfg)
+    # The one line that runs in a moment runs here, from the checkout as printed.
+    config_line = next(x for x in lines if x[1] == "config")
+    monkeypatch.chdir(ROOT)
+    assert cli.main(config_line[1:]) == 0
+    shown = capsys.readouterr().out
+    assert "loss.beta_query" in shown and "rollout.engine" in shown

@@ -169,6 +169,25 @@ def test_reference_pass_covers_the_whole_chat_templated_prompt(real_path):
     np.testing.assert_allclose(cache["logp"][off[0]:off[1]], want, atol=2e-4)
 
 
+def test_config_json_counts_every_row_held_out_or_dropped(real_path):
+    """Each run's config.json says what it trained on (issue 36): SFT every row,
+    RL all but the train.drift_queries rows it measures drift on (no
+    data.eval_benchmarks here); and the recorded counts do not stop the file
+    from loading as a config again."""
+    from erpo_jax.train.config import config_dict, load_config
+    sft = _rows_json(real_path["sft"].parent / "config.json")
+    assert sft["data_rows"] == {"train": N_PROBLEMS, "held_out": {}, "dropped": {}, "eval": {}}
+    run = real_path["runs"]["erpo"]["dir"] / "config.json"
+    rows = _rows_json(run)["data_rows"]
+    assert rows["train"] == N_PROBLEMS - 8 and rows["held_out"] == {
+        "drift (train.drift_queries)": 8}
+    assert "data_rows" not in config_dict(load_config(str(run)))
+
+
+def _rows_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
 def test_every_benchmark_has_a_pass_at_1_row(real_path):
     for name, r in real_path["runs"].items():
         rows = r["evals"]

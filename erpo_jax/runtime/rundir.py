@@ -211,10 +211,14 @@ def check_config(run_dir: Any, new: dict, normalize: Callable[[dict], dict], res
     return ConfigRecord(run_dir, new, tuple(n for n, _, _ in changes), start_step)
 
 
-def write_config(record: ConfigRecord) -> None:
+def write_config(record: ConfigRecord, recorded: dict | None = None) -> None:
     """Write a checked config (`check_config`) to config.json, with a line in
-    config_history.jsonl."""
+    config_history.jsonl. recorded: top-level entries that record what the
+    start found (train.config.RECORDED_KEYS, e.g. data_rows), written beside
+    the fields."""
     import time
+    if recorded:
+        record = dataclasses.replace(record, config={**record.config, **recorded})
     run_dir = path(record.run_dir)
     write_json(run_dir / "config.json", record.config, indent=2, sort_keys=True)
     hist = run_dir / "config_history.jsonl"

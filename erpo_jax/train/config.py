@@ -563,6 +563,13 @@ REMOVED_FIELDS = {
 }
 
 
+# Top-level keys of a run's config.json that record what a start found, not
+# fields to set: from_dict skips them (so config.json loads as a config again).
+RECORDED_KEYS = {
+    "data_rows": "the rows the run trains on, holds out and dropped (Task.data_rows)",
+}
+
+
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build a (nested) config dataclass from a dict, e.g. a saved config.json;
     a value of the wrong type, or an unknown field, names its dotted field."""
@@ -573,7 +580,7 @@ def from_dict(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for k, v in data.items():
         name = f"{prefix}{k}"
-        if name in REMOVED_FIELDS:
+        if name in REMOVED_FIELDS or (not prefix and name in RECORDED_KEYS):
             continue
         if k not in hints:
             _fail(name if prefix else f"{cls.__name__}.{k}", "is not a known field.")
@@ -659,7 +666,9 @@ def config_dict(cfg: RunConfig) -> dict:
 
 
 def normalized(data: dict) -> dict:
-    """A saved config.json with fields added since it was written at their defaults."""
+    """A saved config.json with fields added since it was written at their
+    defaults (and without its RECORDED_KEYS)."""
+    data = {k: v for k, v in data.items() if k not in RECORDED_KEYS}
     try:
         return config_dict(from_dict(RunConfig, data))
     except (TypeError, ValueError):

@@ -194,7 +194,7 @@ class Trainer:
             self.start_step = int(meta["step"])
             self.iterator.set_state(meta["data"])
         if self.primary:   # every per-step file holds what the checkpoint covers, once
-            rundir.write_config(config_record)
+            rundir.write_config(config_record, {"data_rows": self.task.data_rows()})
             s0 = self.start_step
             self.writer.truncate_after(s0)
             keep_evals(self.run_dir, lambda s: s <= s0 if s0 > 0 else False)

@@ -132,7 +132,7 @@ def _run_sft(cfg: RunConfig, sharding, run_dir, primary: bool) -> dict:
             start = int(meta["step"])
             iterator.set_state(meta["data"])
         if primary:
-            rundir.write_config(config_record)
+            rundir.write_config(config_record, {"data_rows": task.data_rows()})
         writer = MetricsWriter(run_dir, primary, t.tensorboard)
         writer.truncate_after(start)
         put = lambda x: jax.device_put(x, sharding.named(("batch", None)))

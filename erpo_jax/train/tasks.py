@@ -151,6 +151,17 @@ class Task:
         """Token ids of a worked solution as an SFT target, terminator included."""
         return self.tokenizer.encode_target(solution, self.target_end)
 
+    def data_rows(self) -> dict:
+        """What the run trains and evaluates on, counted: the `data_rows` entry
+        of its config.json (`config.RECORDED_KEYS`). Every row held out of
+        training or dropped at load time is there, with the field that did it."""
+        r = self.load_report
+        return {"train": len(self.train),
+                "held_out": dict(r.get("held_out", {})),
+                "dropped": {k: r[k] for k in ("bad_rows", "unparseable", "timed_out")
+                            if r.get(k)},
+                "eval": {name: len(ps) for name, ps in self.eval_sets.items()}}
+
 
 def _check_prompt_lengths(prompts: list[list[int]], problems: list[Problem], limit: int,
                           where: str) -> None:
