@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from erpo_jax.model.sharding import MESH_AXES, make_mesh
+from erpo_jax.runtime.mesh import MESH_AXES, make_mesh
 
 # The variables tpu_setup/launch.sh exports; the tests check it names each one.
 ENV_MULTIHOST = "ERPO_MULTIHOST"

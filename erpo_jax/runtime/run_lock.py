@@ -50,7 +50,7 @@ def describe(holder: dict | None) -> str:
 
 
 def _refuse(run_dir, holder: dict | None, extra: str = ""):
-    from erpo_jax.train.config import ConfigError
+    from erpo_jax.runtime.errors import ConfigError
     raise ConfigError(f"config field train.out_dir: {run_dir} is in use by {describe(holder)} "
                       f"({run_dir}/{LOCK_FILE}); one run per directory: wait for it to end, stop "
                       f"it, or use another train.out_dir{extra}.")

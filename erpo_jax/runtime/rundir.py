@@ -248,7 +248,7 @@ def is_run_dir(p: Any) -> bool:
 def check_output_file(p: Any, flag: str) -> None:
     """Before the work: refuse an output file path that is a directory or whose
     folder cannot be made, naming `flag` (a ConfigError, rc 2)."""
-    from erpo_jax.train.config import ConfigError
+    from erpo_jax.runtime.errors import ConfigError
     p = path(p)
     if p.is_dir():
         raise ConfigError(f"{flag} {p} is a directory; give the path of a file to write "
@@ -264,7 +264,7 @@ def check_output_file(p: Any, flag: str) -> None:
 def check_output_dir(p: Any, flag: str) -> None:
     """Before the work: make output directory `p`, or refuse it (a file, or not
     writable) naming `flag` (a ConfigError, rc 2)."""
-    from erpo_jax.train.config import ConfigError
+    from erpo_jax.runtime.errors import ConfigError
     p = path(p)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {p} is a file, not a directory; give a directory to write "

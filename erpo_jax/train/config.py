@@ -24,6 +24,7 @@ from typing import Any
 from erpo_jax.rl.loss import LossConfig
 from erpo_jax.rl.weights import W_MAX, W_MIN
 from erpo_jax.rollout.engine import ENGINES
+from erpo_jax.runtime.errors import ConfigError  # noqa: F401  (re-exported: its home for callers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,11 +244,6 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-class ConfigError(ValueError):
-    """A bad config field, config file or override: `erpo` reports it in one
-    sentence and exits with code 2."""
 
 
 def _fail(field: str, msg: str):
