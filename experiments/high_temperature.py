@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from erpo_jax.tools.demo import METHODS
+from erpo_jax.tools.presets import METHODS
 from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import RunConfig
 

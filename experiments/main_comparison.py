@@ -10,7 +10,7 @@ Real scale (Qwen2.5-Math-1.5B on a TPU v4-8, see experiments/real_scale.py):
     erpo sweep experiments/main_comparison.py --seeds 0,1,2
 
 Variants: 'grpo+policy_kl', 'no_kl', 'erpo' (their regularisers are
-`erpo_jax.tools.demo.arith_rl_config`'s; the CPU budget is its default step count).
+`erpo_jax.tools.presets.arith_rl_config`'s; the CPU budget is its default step count).
 Runs go to runs/main_comparison/<variant>/seed<k>, the report to
 runs/main_comparison/report/.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from erpo_jax.tools.demo import METHODS, arith_rl_config, arith_sft_config
+from erpo_jax.tools.presets import METHODS, arith_rl_config, arith_sft_config
 from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import RunConfig
 from erpo_jax.train.sft import MODEL_SUBDIR

@@ -63,7 +63,7 @@ Our choice, from these: lr 1e-6 constant (DeepSeekMath, Dr. GRPO, DAPO),
 and top-p 1.0 (all), one on-policy update per rollout (DeepSeekMath, Dr.
 GRPO), clip 0.2, token-mean aggregation (DAPO). The regularisers (beta_policy
 0.04 k3 for the baseline: DeepSeekMath's value; ERPO's beta_query and weight
-scheme) come from `erpo_jax.tools.demo.arith_rl_config`, the same as the CPU
+scheme) come from `erpo_jax.tools.presets.arith_rl_config`, the same as the CPU
 experiments: they are not tuned at this scale. The step count (200, about two
 passes over 12k prompts) is ours.
 
@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from erpo_jax.tools.demo import METHODS, arith_rl_config
+from erpo_jax.tools.presets import METHODS, arith_rl_config
 from erpo_jax.rl.loss import LossConfig
 from erpo_jax.train.config import (AlgoSection, DataSection, MeshSection, ModelSection,
                                    OptimSection, RolloutSection, RunConfig, TrainSection)

@@ -6,12 +6,12 @@ Writes runs/sft-arith/model (an HF-format directory with the char tokenizer),
 the `model.path` the CPU variants of main_comparison, ablations,
 high_temperature and long_horizon start from (`erpo sweep` trains it first if
 it is absent). The same config as the demo's SFT stage
-(`erpo_jax.tools.demo.arith_sft_config`).
+(`erpo_jax.tools.presets.arith_sft_config`).
 """
 
 from __future__ import annotations
 
-from erpo_jax.tools.demo import arith_sft_config
+from erpo_jax.tools.presets import arith_sft_config
 from erpo_jax.train.config import RunConfig
 
 

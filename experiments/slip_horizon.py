@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from erpo_jax.tools.demo import METHODS
+from erpo_jax.tools.presets import METHODS
 from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import RunConfig
 

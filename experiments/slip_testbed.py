@@ -28,25 +28,20 @@ long.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from erpo_jax.tools.demo import METHODS, arith_rl_config, arith_sft_config
-from erpo_jax.tools.sweep import load_experiment
-from erpo_jax.train.config import RunConfig, apply_overrides
-from erpo_jax.train.sft import MODEL_SUBDIR
+from erpo_jax.tools.presets import (BETA_POLICY, BETA_QUERY, LR, METHODS, N_VAL,  # noqa: F401
+                                    SFT_SLIP, SLIP_EXPERIMENT, STEPS, slip_method_config,
+                                    slip_sft_config)
+from erpo_jax.train.config import RunConfig, apply_overrides, load_experiment
 
 ablations = load_experiment(Path(__file__).with_name("ablations.py"))
 
-EXPERIMENT = "slip_testbed"
-SFT_SLIP = 0.6
-N_VAL = 100          # validation problems per training family
-LR, STEPS = 3e-4, 100
-# Chosen on the validation split by experiments/slip_tuning.py (its REPORT.md and
-# tests/test_results_tables.py, which checks these against its committed summaries).
-BETA_POLICY = 0.04   # GRPO + Policy-KL
-BETA_QUERY = 1.0     # ERPO
+EXPERIMENT = SLIP_EXPERIMENT
+# The testbed's constants (SFT_SLIP, N_VAL, LR, STEPS and the coefficients chosen on
+# the validation split, BETA_POLICY and BETA_QUERY) live with its presets, which
+# `erpo demo` runs too.
 # The β_q sweep on the test families: slip_tuning.py's other values (which chose
 # BETA_QUERY on the validation split), to show how much the choice matters.
 BETA_Q_SWEEP = (0.03, 0.1, 0.3)
@@ -65,43 +60,8 @@ COMPARISONS = ([("erpo", "grpo+policy_kl"), ("erpo", "no_kl"), ("grpo+policy_kl"
 ENTROPY_FLOOR = 0.0
 
 
-def sft_config() -> RunConfig:
-    base = arith_sft_config("runs/sft-arith-slip", steps=900)
-    return dataclasses.replace(
-        base, name="sft-arith-slip",
-        model=dataclasses.replace(base.model, preset="arith-medium"),
-        data=dataclasses.replace(base.data, sft_slip=SFT_SLIP, n_val=N_VAL),
-        train=dataclasses.replace(base.train, eval_n=8, eval_k=(1, 8), eval_temperature=1.0))
-
-
-def method_config(method: str, *, beta: float | None = None, lr: float = LR,
-                  temperature: float = 1.0, steps: int = STEPS, eval_split: str = "test",
-                  eval_every: int = 50, sampled_eval: bool = True, name: str | None = None,
-                  experiment: str = EXPERIMENT) -> RunConfig:
-    """`method` from the slipped reference. `beta`: its coefficient (β_policy for
-    GRPO + Policy-KL, β_q for ERPO; default the tuned one); eval_split 'validation'
-    evaluates on the validation problems (coefficient and regime searches);
-    sampled_eval: pass@1 and pass@8 from 8 samples besides greedy."""
-    cfg = arith_rl_config(method, str(Path(sft_config().train.out_dir) / MODEL_SUBDIR),
-                          out_dir="", steps=steps)
-    loss = cfg.loss
-    if method == "grpo+policy_kl":
-        loss = dataclasses.replace(loss, beta_policy=BETA_POLICY if beta is None else beta)
-    elif method == "erpo":
-        loss = dataclasses.replace(loss, beta_query=BETA_QUERY if beta is None else beta)
-    elif beta is not None:
-        raise ValueError(f"{method} has no coefficient to set (beta={beta}).")
-    name = name or method
-    return dataclasses.replace(
-        cfg, name=name, loss=loss,
-        data=dataclasses.replace(cfg.data, n_val=N_VAL),
-        optim=dataclasses.replace(cfg.optim, lr=lr),
-        rollout=dataclasses.replace(cfg.rollout, temperature=temperature),
-        train=dataclasses.replace(cfg.train, eval_n=8 if sampled_eval else 1,
-                                  eval_k=(1, 8) if sampled_eval else (1,), drift_every=10,
-                                  eval_every=eval_every, eval_split=eval_split,
-                                  ckpt_every=min(steps, 100),
-                                  out_dir=f"runs/{experiment}/{name}/seed{cfg.train.seed}"))
+sft_config = slip_sft_config
+method_config = slip_method_config   # experiment= names the runs' directory
 
 
 def cpu_experiment(experiment: str, variants: Callable[[], dict[str, RunConfig]], base: str):

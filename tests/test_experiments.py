@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from erpo_jax.tools import report as report_lib
 from erpo_jax.tools import sweep as sweep_lib
-from erpo_jax.tools.demo import METHODS
+from erpo_jax.tools.presets import METHODS
 from erpo_jax.train.methods import resolve_method
 from erpo_jax.runtime.distributed import abstract_mesh_shape, plan_mesh
 from erpo_jax.model import model as model_lib
@@ -38,7 +38,7 @@ SHRINK = ["model.init=random", "model.preset=tiny", "data.n_train=64", "data.n_t
           "rollout.group_size=2", "rollout.max_new_tokens=6", "train.batch_size=8",
           "train.steps=2", "train.eval_every=2", "train.eval_max_problems=2", "train.drift_every=2",
           "train.drift_queries=4",
-          "train.ckpt_every=2", "train.progress=false", "train.ref_batch_size=64",
+          "train.ckpt_every=2", "train.ref_batch_size=64",
           "optim.micro_batches=1", "optim.num_minibatches=1"]
 
 
@@ -368,6 +368,11 @@ def test_sweep_runs_skips_flags_stale_and_reports(tmp_path, capsys, monkeypatch)
     assert len(log) == 1 and " tiny_exp/erpo/seed0 ok rc=0 steps=2 from=new " in log[0]
     assert log[0].split()[-1].startswith("wall=")
     assert sweep_lib.is_finished(root / "tiny_exp" / "erpo" / "seed0")
+    # The run's log (a file, not a terminal) has progress lines, not a tqdm stream.
+    run_log = (root / "tiny_exp" / "erpo" / "seed0" / "train.log").read_text()
+    assert "\r" not in run_log
+    assert [x.split(",")[0] for x in run_log.splitlines() if x.startswith("erpo: ")] == \
+        ["erpo: 1/2 steps (50%)", "erpo: 2/2 steps (100%)"]
     assert not (root / "tiny_exp" / "no_kl").exists()
     md = (root / "tiny_exp" / "report" / "REPORT.md").read_text()
     assert (root / "tiny_exp" / "report" / "eval_average.png").is_file()

@@ -16,54 +16,8 @@ import json
 import time
 from pathlib import Path
 
-from erpo_jax.rl.loss import LossConfig
-from erpo_jax.train.config import (AlgoSection, DataSection, ModelSection, OptimSection,
-                                   RolloutSection, RunConfig, TrainSection)
-
-METHODS = ("grpo+policy_kl", "no_kl", "erpo")
-# Each demo run's `algo.method` (train/methods.py), which the run header and
-# config.json name; the run names above are the report's labels.
-ALGO_METHOD = {"grpo+policy_kl": "grpo_policy_kl", "no_kl": "no_kl", "erpo": "erpo"}
-
-
-def arith_sft_config(out_dir: str = "runs/sft-arith", steps: int = 300) -> RunConfig:
-    """SFT of the `arith-small` model on 20k arithmetic problems."""
-    return RunConfig(
-        name="sft-arith",
-        model=ModelSection(init="random", preset="arith-small"),
-        data=DataSection(task="arithmetic", n_train=20000, n_test=100, max_prompt_len=24),
-        rollout=RolloutSection(max_new_tokens=44),
-        optim=OptimSection(lr=3e-3, warmup_steps=20, schedule="cosine", weight_decay=0.01),
-        train=TrainSection(steps=steps, batch_size=64, out_dir=out_dir, ckpt_every=100,
-                           eval_max_problems=100),
-    )
-
-
-def arith_rl_config(method: str, sft_model: str, out_dir: str, steps: int = 60,
-                    seed: int = 0) -> RunConfig:
-    """RL on the arithmetic task from the SFT model; `method` picks the regulariser."""
-    if method == "grpo+policy_kl":
-        loss, scheme = LossConfig(beta_policy=0.04, policy_kl_estimator="k3"), "uniform"
-    elif method == "no_kl":
-        loss, scheme = LossConfig(), "uniform"
-    elif method == "erpo":
-        loss, scheme = LossConfig(beta_query=0.1, query_kl_estimator="k3"), "likelihood"
-    else:
-        raise ValueError(f"unknown demo method {method!r}; choose one of {METHODS}.")
-    return RunConfig(
-        name=method,
-        model=ModelSection(init="sft", path=sft_model),
-        data=DataSection(task="arithmetic", n_train=20000, n_test=100, max_prompt_len=24),
-        rollout=RolloutSection(group_size=8, temperature=1.0, max_new_tokens=44),
-        algo=AlgoSection(method=ALGO_METHOD[method], advantage="grpo", weight_scheme=scheme),
-        loss=loss,
-        optim=OptimSection(lr=5e-5, max_grad_norm=1.0),
-        train=TrainSection(steps=steps, batch_size=16, seed=seed, out_dir=out_dir,
-                           eval_every=max(steps // 2, 1), eval_max_problems=100,
-                           eval_n=4, eval_k=(1, 4), eval_temperature=1.0,
-                           drift_every=2, drift_queries=64, ckpt_every=steps),
-    )
-
+from erpo_jax.tools.presets import METHODS, arith_rl_config, arith_sft_config
+from erpo_jax.train.config import RunConfig
 
 def accuracy_table(runs) -> str:
     """Markdown: each method's accuracies at its first (the SFT model) and last evaluation."""

@@ -26,6 +26,7 @@ import io
 import math
 from collections import defaultdict
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Sequence
 
 from erpo_jax.runtime import rundir
@@ -455,13 +456,27 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=_run)
 
 
+def report_options(mod: ModuleType | None, default_title: str) -> tuple[str, dict]:
+    """(title, write_report keywords) of an experiment file: the first line of its
+    docstring, its COMPARISONS and any COLLAPSE_DROP / ENTROPY_FLOOR."""
+    if mod is None:
+        return default_title, {}
+    kw = {}
+    if getattr(mod, "COMPARISONS", None):
+        kw["comparisons"] = list(mod.COMPARISONS)
+    for k in ("collapse_drop", "entropy_floor"):
+        if hasattr(mod, k.upper()):
+            kw[k] = getattr(mod, k.upper())
+    return (mod.__doc__ or default_title).strip().splitlines()[0], kw
+
+
+
 def _run(args: argparse.Namespace) -> int:
     runs = [load_run(d) for d in expand_run_dirs(args.runs)]
     title, kw = "erpo-jax report", {}
     if args.experiment:
-        from erpo_jax.tools import sweep
-        title, kw = sweep.report_options(sweep.load_experiment(args.experiment),
-                                         Path(args.experiment).stem)
+        from erpo_jax.train.config import load_experiment
+        title, kw = report_options(load_experiment(args.experiment), Path(args.experiment).stem)
     for k in ("collapse_drop", "entropy_floor"):
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)

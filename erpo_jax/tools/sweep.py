@@ -33,7 +33,7 @@ once. One line per run, with its wall time, is appended to
 Runs that start from `model.init='sft'` at their SFT reference model get it
 trained first if it is absent: the experiment file's `sft_config()` if it has
 one, else the shared CPU reference (`runs/sft-arith/model`,
-`demo.arith_sft_config()`).
+`presets.arith_sft_config()`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from types import ModuleType
 from typing import Iterable
 
 from erpo_jax.runtime import rundir
-from erpo_jax.tools.report import WALL_LOG
+from erpo_jax.tools.report import WALL_LOG, report_options
 from erpo_jax.train.config import (RunConfig, apply_overrides, config_dict, from_dict,
                                    load_experiment, save_config, validate)
 from erpo_jax.train.methods import resolve_method
@@ -122,7 +122,7 @@ def plan(path: str | Path, seeds: Iterable[int], cpu: bool = False,
     for name, base in table.items():
         base = apply_overrides(base, list(overrides))
         for seed in seeds:
-            train = dataclasses.replace(base.train, seed=int(seed), progress=False,
+            train = dataclasses.replace(base.train, seed=int(seed),
                                         out_dir=str(root / name / f"seed{seed}"),
                                         ref_cache_dir=str(root / ".refcache"))
             runs.append(Run(exp, name, int(seed), dataclasses.replace(base, train=train)))
@@ -251,8 +251,8 @@ def _subprocess(kind: str, cfg: RunConfig, log: Path, runs_root: Path) -> int:
 def sft_prerequisite(runs: list[Run], sft: RunConfig | None = None) -> RunConfig | None:
     """The SFT config if some run needs its model and it is absent; raises if a run
     needs an SFT model that is absent and that this runner does not know. `sft`:
-    the experiment file's `sft_config()`, else the shared `demo.arith_sft_config()`."""
-    from erpo_jax.tools.demo import arith_sft_config
+    the experiment file's `sft_config()`, else the shared `presets.arith_sft_config()`."""
+    from erpo_jax.tools.presets import arith_sft_config
     from erpo_jax.train.sft import MODEL_SUBDIR
     sft = sft or arith_sft_config()
     known = Path(sft.train.out_dir) / MODEL_SUBDIR
@@ -362,20 +362,6 @@ def finished_run_dirs(exp_dir: str | Path) -> list[Path]:
     """Finished run directories `<exp_dir>/<variant>/seed<k>`, sorted."""
     return sorted(p.parent for p in Path(exp_dir).glob("*/seed*/config.json")
                   if is_finished(p.parent))
-
-
-def report_options(mod: ModuleType | None, default_title: str) -> tuple[str, dict]:
-    """(title, write_report keywords) of an experiment file: the first line of its
-    docstring, its COMPARISONS and any COLLAPSE_DROP / ENTROPY_FLOOR."""
-    if mod is None:
-        return default_title, {}
-    kw = {}
-    if getattr(mod, "COMPARISONS", None):
-        kw["comparisons"] = list(mod.COMPARISONS)
-    for k in ("collapse_drop", "entropy_floor"):
-        if hasattr(mod, k.upper()):
-            kw[k] = getattr(mod, k.upper())
-    return (mod.__doc__ or default_title).strip().splitlines()[0], kw
 
 
 def report(exp_dir: str | Path, mod: ModuleType | None = None) -> Path | None:

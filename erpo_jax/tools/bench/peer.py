@@ -153,7 +153,7 @@ def run_ours(size: str, iters: int, timeout: float = 1800, share_query: bool = T
 def update_flops(size: str, share_query: bool = True) -> float:
     """The FLOPs the update executes on config `size`: with share_query each
     group's query runs once (what the Trainer does by default)."""
-    from erpo_jax.tools.bench import model_flops_per_step
+    from erpo_jax.tools.bench.step import model_flops_per_step
     c = CONFIGS[size]
     group = c["group"] if share_query else 1
     return model_flops_per_step(PRESETS[c["preset"]], c["prompts"] * c["group"],
