@@ -28,6 +28,7 @@ import numpy as np
 
 from erpo_jax.runtime import rundir, xla_options
 from erpo_jax.runtime.distributed import broadcast_from_primary, to_host
+from erpo_jax.runtime.progress import progress_bar
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding
@@ -176,9 +177,9 @@ def compute_reference(params, cfg: ModelConfig, queries: Sequence[Sequence[int]]
 
     run = make_pass_fn(cfg, chunk_size, sharding)
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    if progress:
-        from tqdm import tqdm
-        batches = tqdm(batches, desc="reference pass", unit="batch", leave=False)
+    # On a terminal a bar that goes when done; elsewhere one line at the end.
+    bar = progress_bar(len(batches), desc="reference pass", unit="batch", leave=False,
+                       every_n=len(batches)) if progress else None
     for idx in batches:
         width = bucket(int(lengths[idx].max()) + 1)
         tokens = np.full((batch_size, width), pad_id, np.int32)
@@ -194,6 +195,10 @@ def compute_reference(params, cfg: ModelConfig, queries: Sequence[Sequence[int]]
         for r, q in enumerate(idx):
             n = lengths[q] - 1
             flat[offsets[q]:offsets[q + 1]] = lp[r, width - 1 - n:width - 1]
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     return ReferenceCache(flat, offsets, key)
 
 

@@ -32,6 +32,7 @@ from erpo_jax.rl.shaping import per_response
 from erpo_jax.rollout.sampler import rollout_key
 from erpo_jax.runtime import rundir
 from erpo_jax.runtime.run_lock import RunLock
+from erpo_jax.runtime.progress import progress_bar
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
@@ -474,8 +475,7 @@ class Trainer:
         old = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
         bar = None
         if t.progress and self.primary:
-            from tqdm import tqdm
-            bar = tqdm(total=t.steps, initial=self.start_step, desc=cfg.name, unit="step")
+            bar = progress_bar(t.steps, self.start_step, desc=cfg.name)
         last_eval = None
         try:
             if self.start_step == 0 and t.eval_every > 0:
@@ -499,11 +499,11 @@ class Trainer:
                     on_step(done, row)
                 self._last_drift = row.get("drift/qkl_k3", self._last_drift)
                 if bar is not None:
-                    bar.update(1)
                     shown = {"reward": f"{row['reward_mean']:.3f}", "acc": f"{row['accuracy']:.3f}"}
                     if not np.isnan(self._last_drift):   # the last measured value, once there is one
                         shown["drift"] = f"{self._last_drift:.4f}"
                     bar.set_postfix(**shown)
+                    bar.update(1)
                 if self.nonfinite_in_a_row >= t.max_nonfinite:
                     raise FloatingPointError(
                         f"{self.nonfinite_in_a_row} consecutive updates had a non-finite loss or "

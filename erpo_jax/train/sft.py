@@ -22,6 +22,7 @@ from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.runtime import rundir
 from erpo_jax.runtime.run_lock import RunLock
+from erpo_jax.runtime.progress import progress_bar
 from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.metrics import MetricsWriter
@@ -138,8 +139,7 @@ def _run_sft(cfg: RunConfig, sharding, run_dir, primary: bool) -> dict:
         put = lambda x: jax.device_put(x, sharding.named(("batch", None)))
         bar = None
         if t.progress and primary:
-            from tqdm import tqdm
-            bar = tqdm(total=t.steps, initial=start, desc=f"{cfg.name} (sft)", unit="step")
+            bar = progress_bar(t.steps, start, desc=f"{cfg.name} (sft)")
         for step in range(start, t.steps):
             t0 = time.perf_counter()
             iterator.step = step
@@ -149,8 +149,8 @@ def _run_sft(cfg: RunConfig, sharding, run_dir, primary: bool) -> dict:
                    "lr": float(schedule(step)), "time/step": time.perf_counter() - t0}
             writer.write(step + 1, row)
             if bar is not None:
-                bar.update(1)
                 bar.set_postfix(loss=f"{row['sft_loss']:.4f}")
+                bar.update(1)
             if int(state.nonfinite) >= t.max_nonfinite:
                 raise FloatingPointError(f"{int(state.nonfinite)} consecutive non-finite SFT "
                                          "updates; lower optim.lr.")
