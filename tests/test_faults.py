@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
+from erpo_jax.train import startup
 from erpo_jax import cli
 from erpo_jax.runtime import rundir
-from erpo_jax.train import loop
 from erpo_jax.train.config import load_config
 from erpo_jax.train.loop import train
 
@@ -68,6 +68,8 @@ BAD_INPUTS = [
     ("data.n_test=0", "data.n_test"),
     ("train.seed=-1", "train.seed"),
     ("data.seed=-1", "data.seed"),
+    ("data.n_drift=-1", "data.n_drift"),
+    ("data.n_drift=4", "data.n_drift"),   # the arithmetic task holds no training rows out
     ("model.param_dtype=float13", "model.param_dtype"),
     ("model.compute_dtype=fp8", "model.compute_dtype"),
     ("data.eval_benchmarks=gsm8k,nope", "data.eval_benchmarks"),
@@ -78,7 +80,7 @@ BAD_INPUTS = [
 def test_bad_input_is_one_line_naming_the_field_rc_2(tmp_path, capsys, override, field,
                                                      monkeypatch):
     built = []
-    monkeypatch.setattr(loop, "build_sharding", lambda cfg: built.append(cfg))
+    monkeypatch.setattr(startup, "build_sharding", lambda cfg: built.append(cfg))
     assert cli.main(["train", *_args(tmp_path / "run", *override.split())]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"erpo train: config field {field}")
@@ -273,7 +275,8 @@ def test_startup_error_after_the_compile_thread_is_one_sentence(tmp_path, finish
                                        "train.allow_config_change=true")], tmp_path)
     assert rc == 1, err[-3000:]
     assert "terminate called" not in err and "Traceback" not in err
-    assert "the checkpoint of step 4" in err.splitlines()[-1] and "does not fit" in err
+    assert "the checkpoint of step 4" in err.splitlines()[-1] and "does not fit" in err, \
+        err[-3000:]
 
 
 def _no_big_files():

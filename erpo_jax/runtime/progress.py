@@ -53,7 +53,8 @@ class LineProgress:
         done = self.n - self._start_n
         rate = (now - self._t0) / done if done else float("nan")
         pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
-        parts = [f"{self.desc}: {self.n}/{self.total} {self.unit}s{pct}",
+        units = self.unit + ("es" if self.unit.endswith(("s", "sh", "ch", "x")) else "s")
+        parts = [f"{self.desc}: {self.n}/{self.total} {units}{pct}",
                  f"{rate:.2f} s/{self.unit}"]
         parts += [f"{k}={v}" for k, v in self._postfix.items()]
         print(", ".join(parts), file=self.stream, flush=True)
