@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from erpo_jax.train import startup
 from erpo_jax import cli
 from erpo_jax.data.benchmarks import BadRowError
 from erpo_jax.data.math_jsonl import (check_answer_format, drop_unparseable, gsm8k_solution,
@@ -161,46 +162,60 @@ def test_skip_bad_rows_from_the_command_line(tmp_path, tok_dir, capsys):
     assert "data.skip_bad_rows: expects true/false" in capsys.readouterr().err
 
 
-def test_drift_queries_are_held_out_of_training_or_refused(tmp_path, tok_dir):
+def test_drift_rows_are_a_data_split_held_out_of_training_or_refused(tmp_path, tok_dir):
+    """data.n_drift holds rows out to measure query drift on; the training set
+    depends on data fields only, never on train.drift_every or drift_queries
+    (issue 37), and drift with nothing held out to measure it on is refused."""
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(20)]
     train = _write(tmp_path / "t.jsonl", rows)
     tok = load_tokenizer(tok_dir)
-    task = load_task(_cfg(tmp_path, tok_dir, train, "train.drift_every=2",
-                          "train.drift_queries=6"), tok)
+    task = load_task(_cfg(tmp_path, tok_dir, train, "train.drift_every=2", "data.n_drift=6"), tok)
     task.close()
     held = {p.id for p in task.drift_set}
     assert len(held) == 6 and len(task.train) == 14
     assert not held & {p.id for p in task.train}
-    with pytest.raises(ValueError, match=r"config field train\.drift_queries: .*held out"):
-        load_task(_cfg(tmp_path, tok_dir, train, "train.drift_every=2",
-                       "train.drift_queries=18"), tok)
+    # The logging settings change what is measured, not what trains.
+    for logging in (["train.drift_every=0"], ["train.drift_every=5", "train.drift_queries=2"]):
+        other = load_task(_cfg(tmp_path, tok_dir, train, "data.n_drift=6", *logging), tok)
+        other.close()
+        assert [p.id for p in other.train] == [p.id for p in task.train]
+        assert [p.id for p in other.drift_set] == [p.id for p in task.drift_set]
+    with pytest.raises(ValueError, match=r"config field data\.n_drift: holding 18 rows"):
+        load_task(_cfg(tmp_path, tok_dir, train, "data.n_drift=18"), tok)
+    # Nothing held out: drift is refused for train, which measures it ...
+    with pytest.raises(ValueError, match=r"config field data\.n_drift: train\.drift_every=2 "):
+        load_task(_cfg(tmp_path, tok_dir, train, "train.drift_every=2"), tok)
+    # ... and every row trains where none is measured, or it runs on the validation rows.
     task = load_task(_cfg(tmp_path, tok_dir, train, "train.drift_every=0"), tok)
     task.close()
     assert len(task.train) == 20 and task.drift_set == []
+    task = load_task(_cfg(tmp_path, tok_dir, train, "train.drift_every=2", "data.n_val=4"), tok)
+    task.close()
+    assert len(task.train) == 16 and len(task.drift_set) == 4
+    assert not {p.id for p in task.drift_set} & {p.id for p in task.train}
 
 
 def test_sft_trains_on_every_row_and_held_out_rows_are_counted(tmp_path, tok_dir, capsys,
                                                               monkeypatch):
     """`erpo sft` measures no drift, so it holds no rows out for it (a 100-row file
     trained on 36 rows, issue 36); `erpo train` counts what it holds out."""
-    from erpo_jax.train import sft
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(20)]
     train = _write(tmp_path / "t.jsonl", rows)
     tok = load_tokenizer(tok_dir)
     task = load_task(_cfg(tmp_path, tok_dir, train, "train.drift_every=2",
-                          "train.drift_queries=6", "data.n_val=2"), tok)
+                          "data.n_drift=6", "data.n_val=2"), tok)
     task.close()
     assert len(task.train) == 12 and task.load_report["held_out"] == {
-        "validation (data.n_val)": 2, "drift (train.drift_queries)": 6}
+        "validation (data.n_val)": 2, "drift (data.n_drift)": 6}
     assert (f"{train}: 12 training rows; held out of training: 2 for validation (data.n_val), "
-            "6 for drift (train.drift_queries)") in capsys.readouterr().out
+            "6 for drift (data.n_drift)") in capsys.readouterr().out
     loaded = []
 
     def load_and_stop(*a, **k):
         loaded.append(load_task(*a, **k))
         loaded[-1].close()
         raise ValueError("stop here")
-    monkeypatch.setattr(sft, "load_task", load_and_stop)
+    monkeypatch.setattr(startup, "load_task", load_and_stop)
     assert cli.main(["sft", "data.task=jsonl", f"data.train_file={train}", "model.init=hf",
                      f"model.path={tok_dir}", "data.template=chat", "data.max_prompt_len=256",
                      "train.batch_size=8", "reward.workers=1", "train.drift_queries=6",

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from erpo_jax.train import startup
 from erpo_jax import cli
 from erpo_jax.runtime import run_lock, rundir
 from erpo_jax.train import loop
@@ -48,6 +49,7 @@ def _no_model_built(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the output path was checked")
     monkeypatch.setattr(policy, "load_policy", refuse)
+    monkeypatch.setattr(startup, "load_policy", refuse)
 
 
 # ----------------------------------------------------------------------------- 1. eval
@@ -106,7 +108,7 @@ def test_a_second_run_on_a_directory_is_refused_and_a_killed_holder_frees_it(tmp
     try:
         assert holder.stdout.readline().strip() == "held"
         loaded = []
-        monkeypatch.setattr(loop, "load_policy", lambda *a: loaded.append(a) or 1 / 0)
+        monkeypatch.setattr(startup, "load_policy", lambda *a: loaded.append(a) or 1 / 0)
         assert cli.main(["train", *RANDOM, f"train.out_dir={run}"]) == 2
         err = _err(capsys)
         assert err.startswith("erpo train: config field train.out_dir:") and len(
@@ -238,7 +240,7 @@ def _files(tmp_path):
 def test_bad_input_is_one_sentence_rc_2(tmp_path, capsys, monkeypatch, argv, says):
     d = _files(tmp_path)
     _no_model_built(monkeypatch)
-    monkeypatch.setattr(loop, "build_sharding", lambda cfg: 1 / 0)
+    monkeypatch.setattr(startup, "build_sharding", lambda cfg: 1 / 0)
     argv = [a.replace("{d}", str(d)) for a in argv]
     assert cli.main(argv) == 2
     err = _err(capsys)
@@ -310,7 +312,7 @@ def test_recorded_row_counts_in_config_json_neither_block_a_resume_nor_loading(t
     loads as a config (erpo train --config runs/x/config.json)."""
     from erpo_jax.train.config import ConfigError, config_dict, load_config, normalized
     cfg = config_dict(load_config(None, ["optim.lr=5e-5"]))
-    rows = {"train": 92, "held_out": {"drift (train.drift_queries)": 8}, "dropped": {},
+    rows = {"train": 92, "held_out": {"drift (data.n_drift)": 8}, "dropped": {},
             "eval": {}}
     record = rundir.check_config(tmp_path, cfg, normalized, resuming=False, allow_change=False,
                                  start_step=0)
@@ -332,11 +334,10 @@ def test_a_failed_start_leaves_no_new_config_json(tmp_path, capsys, monkeypatch,
     """A start that fails after the config check (here: the policy does not load)
     leaves config.json and config_history.jsonl as they were: none, or the last
     start's."""
-    from erpo_jax.train import sft
 
     def broken(*a, **k):
         raise ValueError("model.path: the policy does not load (test)")
-    monkeypatch.setattr(loop if command == "train" else sft, "load_policy", broken)
+    monkeypatch.setattr(startup, "load_policy", broken)
     run = tmp_path / "run"
     assert cli.main([command, *RANDOM, f"train.out_dir={run}"]) == 1
     assert "the policy does not load" in _err(capsys)

@@ -70,7 +70,7 @@ def real_path(tmp_path_factory):
                              f"train.out_dir={run}", f"train.ref_cache_dir={root / 'refcache'}",
                              f"train.steps={RL_STEPS}", "train.batch_size=8",
                              "rollout.group_size=8", "optim.lr=1e-4", "train.drift_every=3",
-                             "train.drift_queries=8", f"algo.method={name}"])
+                             "data.n_drift=8", f"algo.method={name}"])
         wall = time.perf_counter() - t0
         _cli_json(["eval", "--checkpoint", summary["model_dir"], "--out", str(run / "eval"),
                    *_common(root, sft_model), f"data.eval_benchmarks={','.join(BENCHMARKS)}",
@@ -153,6 +153,7 @@ def test_reference_pass_covers_the_whole_chat_templated_prompt(real_path):
     root, sft = real_path["root"], real_path["sft"]
     cfg = apply_overrides(RunConfig(), [*_common(root, sft), "model.init=sft",
                                         "train.drift_every=3", "train.drift_queries=8",
+                                        "data.n_drift=8",
                                         "train.batch_size=8"])
     task = load_task(cfg, load_tokenizer(sft))
     task.close()
@@ -171,7 +172,7 @@ def test_reference_pass_covers_the_whole_chat_templated_prompt(real_path):
 
 def test_config_json_counts_every_row_held_out_or_dropped(real_path):
     """Each run's config.json says what it trained on (issue 36): SFT every row,
-    RL all but the train.drift_queries rows it measures drift on (no
+    RL all but the data.n_drift rows it measures drift on (no
     data.eval_benchmarks here); and the recorded counts do not stop the file
     from loading as a config again."""
     from erpo_jax.train.config import config_dict, load_config
@@ -180,7 +181,7 @@ def test_config_json_counts_every_row_held_out_or_dropped(real_path):
     run = real_path["runs"]["erpo"]["dir"] / "config.json"
     rows = _rows_json(run)["data_rows"]
     assert rows["train"] == N_PROBLEMS - 8 and rows["held_out"] == {
-        "drift (train.drift_queries)": 8}
+        "drift (data.n_drift)": 8}
     assert "data_rows" not in config_dict(load_config(str(run)))
 
 

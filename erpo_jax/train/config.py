@@ -74,6 +74,12 @@ class DataSection:
       on without looking at the test sets (train.eval_split='validation'):
       per training family for the arithmetic task (drawn apart from its test
       sets), rows of the training file for a JSONL task. 0 = none.
+    n_drift: rows of a JSONL training file held out of training (a draw
+      apart from n_val's) to measure query drift on (train.drift_every).
+      Without it drift is measured on the evaluation sets, else on the
+      validation rows; `erpo train` with neither and drift_every > 0 is
+      refused. A data field, so it is what every command (sft, train, eval)
+      trains on; logging settings never change the training set.
     """
 
     task: str = "arithmetic"
@@ -81,6 +87,7 @@ class DataSection:
     n_train: int = 4000
     n_test: int = 100
     n_val: int = 0
+    n_drift: int = 0
     train_file: str = ""
     question_field: str = "question"
     answer_field: str = "answer"
@@ -409,6 +416,11 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
               f"{d.task!r}; set it to 0.")
     if d.n_val < 0:
         _fail("data.n_val", f"must be >= 0, got {d.n_val}.")
+    if d.n_drift < 0:
+        _fail("data.n_drift", f"must be >= 0, got {d.n_drift}.")
+    if d.n_drift and d.task != "jsonl":
+        _fail("data.n_drift", f"is {d.n_drift} but holds rows out of a JSONL training file; "
+              f"the {d.task} task measures drift on its held-out test families. Set it to 0.")
     if cfg.train.eval_split not in ("test", "validation"):
         _fail("train.eval_split", f"is {cfg.train.eval_split!r}; use 'test' or 'validation'.")
     if cfg.train.eval_split == "validation" and not d.n_val:

@@ -110,9 +110,7 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
     """The gradient report of run `cfg`'s loss for the policy at `checkpoint`,
     on the real batch described in the module docstring; report['source']
     says what it ran on."""
-    from erpo_jax.runtime import compile_cache
     from erpo_jax.data.iterator import QueryBatchIterator
-    from erpo_jax.rl import reference as ref_lib
     from erpo_jax.rl.advantages import gae
     from erpo_jax.rl.batch import as_jax, validate_batch
     from erpo_jax.rl.shaping import per_response, shaped_advantages
@@ -121,9 +119,9 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
     from erpo_jax.train.host import sample
     from erpo_jax.train.loop import rollout_to_batch
     from erpo_jax.train.methods import describe
-    from erpo_jax.train.policy import build_sharding, load_policy
+    from erpo_jax.train.policy import load_policy
+    from erpo_jax.train.startup import reference_cache_dir, reference_pass, start
     from erpo_jax.train.programs import rollout_engine, rollout_sampling
-    from erpo_jax.train.tasks import load_task
     from erpo_jax.train.train_step import make_logprob_fn
 
     cfg = validate(cfg)   # method resolved: the coefficients and scheme the run uses
@@ -135,32 +133,29 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
     for name, path in (("--checkpoint", checkpoint), ("--reference", reference)):
         if not _has_model(path):
             raise ValueError(f"{name} {path} is not a model directory (no config.json).")
-    compile_cache.configure(cfg.train.compile_cache)
-    sharding = build_sharding(cfg)
     at = lambda path: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="hf",
                                                                          path=str(path)))
-    model_cfg, params, tok = load_policy(at(checkpoint), sharding)
+    # The run's start-up; the task's rows are the run's (they depend on data.* alone).
+    started = start(at(checkpoint), policy=f"the checkpoint {checkpoint}")
+    sharding, task = started.sharding, started.task
+    model_cfg, params, tok = started.model_cfg, started.params, started.tokenizer
     same = Path(reference).resolve() == Path(checkpoint).resolve()
-    if same:
-        ref_params, ref_tok = params, tok
-    else:
-        ref_cfg, ref_params, ref_tok = load_policy(at(reference), sharding)
-        if ref_tok.identity != tok.identity:
-            raise ValueError(f"the checkpoint's tokenizer differs from the reference's "
-                             f"({reference}); inspect a policy trained from that reference.")
-        if dataclasses.replace(ref_cfg, remat=model_cfg.remat) != model_cfg:
-            raise ValueError(f"the checkpoint's model config differs from the reference's "
-                             f"({reference}).")
-    task = load_task(cfg, tok)
     t, r, a, lc = cfg.train, cfg.rollout, cfg.algo, cfg.loss
     G = r.group_size
     try:
-        # The run's reference pass: same cache directory and key as the trainer's.
-        cache_dir = Path(t.ref_cache_dir) if t.ref_cache_dir else Path(t.out_dir).parent / ".refcache"
-        ref_cache, computed = ref_lib.load_or_compute(
-            ref_params, model_cfg, task.train_prompts, cache_dir, tokenizer_id=tok.identity,
-            template=task.template_id, batch_size=t.ref_batch_size, pad_id=tok.pad_id,
-            chunk_size=cfg.model.logprob_chunk, sharding=sharding, progress=t.progress)
+        if same:
+            ref_params, ref_tok = params, tok
+        else:
+            ref_cfg, ref_params, ref_tok = load_policy(at(reference), sharding)
+            if ref_tok.identity != tok.identity:
+                raise ValueError(f"the checkpoint's tokenizer differs from the reference's "
+                                 f"({reference}); inspect a policy trained from that reference.")
+            if dataclasses.replace(ref_cfg, remat=model_cfg.remat) != model_cfg:
+                raise ValueError(f"the checkpoint's model config differs from the reference's "
+                                 f"({reference}).")
+        # The run's reference pass: the Trainer's cache directory (local or gs://) and key.
+        ref_cache, computed = reference_pass(cfg, ref_params, model_cfg, tok, task, sharding,
+                                             task.train_prompts)
         weights = ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min, a.weight_max)
         idx = QueryBatchIterator(len(task.train), t.batch_size, t.seed).batch_at(step)[:queries]
         prompts = [task.train_prompts[i] for i in idx]
@@ -205,7 +200,7 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
         "reference": ("the checkpoint itself (policy = reference)" if same else str(reference))
                      + f"; query log-probs of {ref_cache.num_queries} training queries "
                      + ("computed now and cached" if computed else "read from the run's cache")
-                     + f" in {cache_dir}",
+                     + f" in {reference_cache_dir(cfg)}",
         "batch": f"{len(idx)} prompts of the {task.name} training set (the first of the run's "
                  f"step-{step} batch, seed {t.seed}), {G} responses each sampled by the "
                  f"checkpoint at temperature {r.temperature} (max {r.max_new_tokens} tokens); "

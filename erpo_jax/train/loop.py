@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax.runtime import compile_cache, host_malloc, xla_options
+from erpo_jax.runtime import host_malloc, xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import advantages as adv_lib
@@ -34,17 +34,17 @@ from erpo_jax.runtime import rundir
 from erpo_jax.runtime.run_lock import RunLock
 from erpo_jax.runtime.progress import progress_bar
 from erpo_jax.train import checkpoint as ckpt_lib
+from erpo_jax.train import startup
 from erpo_jax.train import train_step as step_lib
-from erpo_jax.train.config import RunConfig, config_dict, normalized, validate
+from erpo_jax.train.config import RunConfig, config_dict, normalized
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.methods import describe as describe_method
 from erpo_jax.runtime.distributed import to_host
 from erpo_jax.train.host import sample
 from erpo_jax.train.metrics import MetricsWriter
-from erpo_jax.train.policy import (MODEL_SUBDIR, build_sharding, check_finite, export_policy,
-                                   load_policy)
+from erpo_jax.train.policy import MODEL_SUBDIR, check_finite, export_policy
 from erpo_jax.train.programs import Programs
-from erpo_jax.train.tasks import Task, load_task
+from erpo_jax.train.tasks import Task
 
 # `erpo train` exits with this code when SIGTERM stopped it after saving a
 # checkpoint (EX_TEMPFAIL: rerunning the same command resumes); 0 means done.
@@ -103,31 +103,36 @@ class Trainer:
             self.close()
             raise
 
-    def _build(self, cfg: RunConfig) -> None:
-        validate(cfg)   # before anything is built: a bad field is one sentence, rc 2
-        self.compile_cache = compile_cache.configure(cfg.train.compile_cache)
-        self.sharding = build_sharding(cfg)
-        cfg = self.cfg = validate(cfg, jax.device_count())   # method resolved
-        t, a, lc = cfg.train, cfg.algo, cfg.loss
+    def _claim(self, cfg: RunConfig, sharding: Sharding) -> None:
+        """The run directory, between the config checks and the model load: its
+        lock (one run per directory, before anything is written there) and the
+        config check against the run it resumes."""
+        t = cfg.train
         self.primary = jax.process_index() == 0
         self.run_dir = rundir.path(t.out_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.primary:   # one run per directory, before anything is written there
+        if self.primary:
             self.lock = RunLock(self.run_dir, "erpo train")
         self.ckpt = ckpt_lib.Checkpointer(self.run_dir / "checkpoints", t.keep_checkpoints,
                                           t.ckpt_every)
-        latest = self.ckpt.latest_step()
+        self._latest = latest = self.ckpt.latest_step()
+        self._config_record = None
         if self.primary:
             # Checked now, written once the start has succeeded (a failed start
             # leaves config.json and config_history.jsonl as they were).
-            config_record = rundir.check_config(self.run_dir, config_dict(cfg), normalized,
-                                                resuming=latest is not None,
-                                                allow_change=t.allow_config_change,
-                                                start_step=latest or 0)
+            self._config_record = rundir.check_config(
+                self.run_dir, config_dict(cfg), normalized, resuming=latest is not None,
+                allow_change=t.allow_config_change, start_step=latest or 0)
             print(describe_method(cfg), flush=True)
-        self.model_cfg, params, self.tokenizer = load_policy(cfg, self.sharding)
-        check_finite(params, f"the starting policy ({cfg.model.init} {cfg.model.path})")
-        self.task: Task = load_task(cfg, self.tokenizer)
+
+    def _build(self, cfg: RunConfig) -> None:
+        s = startup.start(cfg, measure_drift=True, claim=self._claim)
+        cfg = self.cfg = s.cfg   # method resolved
+        t, a, lc = cfg.train, cfg.algo, cfg.loss
+        self.compile_cache, self.sharding = s.compile_cache, s.sharding
+        self.model_cfg, params, self.tokenizer = s.model_cfg, s.params, s.tokenizer
+        self.task: Task = s.task
+        latest, config_record = self._latest, self._config_record
         self.G, self.B = cfg.rollout.group_size, t.batch_size
         self.ref_forward_calls = 0
 
@@ -153,23 +158,19 @@ class Trainer:
             self._compiling.start()
 
         # One-time reference pass (the initial policy is the reference).
-        cache_dir = rundir.path(t.ref_cache_dir) if t.ref_cache_dir else \
-            self.run_dir.parent / ".refcache"
         phash = ref_lib.params_digest(params)
-        common = dict(tokenizer_id=self.tokenizer.identity, template=self.task.template_id,
-                      params_hash=phash, batch_size=t.ref_batch_size,
-                      pad_id=self.tokenizer.pad_id, chunk_size=cfg.model.logprob_chunk,
-                      sharding=self.sharding, progress=t.progress)
-        self.ref_cache, _ = ref_lib.load_or_compute(params, self.model_cfg,
-                                                    self.task.train_prompts, cache_dir, **common)
+        self.ref_cache, _ = startup.reference_pass(cfg, params, self.model_cfg, self.tokenizer,
+                                                   self.task, self.sharding,
+                                                   self.task.train_prompts, phash)
         self.weights = self.ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min,
                                               a.weight_max)
         self.drift_prompts = self.task.prompts(self.task.drift_set[:t.drift_queries])
         self.drift_cache = None   # the held-out queries' reference pass, only if drift is logged
         self.drift_floor = {}
         if t.drift_every > 0:
-            self.drift_cache, _ = ref_lib.load_or_compute(params, self.model_cfg,
-                                                          self.drift_prompts, cache_dir, **common)
+            self.drift_cache, _ = startup.reference_pass(cfg, params, self.model_cfg,
+                                                         self.tokenizer, self.task, self.sharding,
+                                                         self.drift_prompts, phash)
             # The drift of the reference itself: what rounding alone reads (in
             # bf16 the reference pass's batch layout and the drift's differ).
             # Logged next to every drift value, so bf16 drift can be read.

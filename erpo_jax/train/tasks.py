@@ -172,10 +172,10 @@ def _check_prompt_lengths(prompts: list[list[int]], problems: list[Problem], lim
 
 
 def load_task(cfg: RunConfig, tokenizer: Tokenizer, drift: bool = True) -> Task:
-    """The task of `cfg.data`. drift: a JSONL task without evaluation sets
-    holds `train.drift_queries` training rows out of training to measure query
-    drift on (only `erpo train` does; `erpo sft` and `erpo eval` pass False and
-    keep every row)."""
+    """The task of `cfg.data`: its rows depend on `cfg.data` alone. drift: the
+    caller measures query drift (`erpo train`), so a JSONL task with no
+    held-out queries to measure it on (data.n_drift, evaluation sets,
+    validation rows) is refused; `erpo sft` and `erpo eval` pass False."""
     d = cfg.data
     if d.task == "arithmetic":
         from erpo_jax.data import arithmetic
@@ -240,19 +240,25 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer, measure_drift: bool) 
             train, val = _hold_out(train, d.n_val, d.seed, stream=8)
             if t.eval_split == "validation":
                 evals = {"validation": val}
-        drift = _interleave(evals)
+        else:
+            val = []
         held_out = {"validation (data.n_val)": d.n_val}
-        if measure_drift and t.drift_every > 0 and not drift:
-            # No evaluation sets: measure drift on training rows held out of training.
-            if len(train) - t.drift_queries < t.batch_size:
+        if d.n_drift:   # its own held-out split: what trains depends on data fields only
+            if len(train) - d.n_drift < t.batch_size:
                 raise ValueError(
-                    f"config field train.drift_queries: with no data.eval_benchmarks, query "
-                    f"drift is measured on {t.drift_queries} training rows held out of "
-                    f"training, but {len(train)} rows leave fewer than train.batch_size="
-                    f"{t.batch_size}; lower train.drift_queries, add data.eval_benchmarks, or "
-                    "set train.drift_every=0.")
-            train, drift = _hold_out(train, t.drift_queries, d.seed, stream=7)
-            held_out["drift (train.drift_queries)"] = t.drift_queries
+                    f"config field data.n_drift: holding {d.n_drift} rows out of training to "
+                    f"measure query drift on leaves {len(train) - d.n_drift} of {len(train)}, "
+                    f"fewer than train.batch_size={t.batch_size}; lower data.n_drift.")
+            train, drift = _hold_out(train, d.n_drift, d.seed, stream=7)
+            held_out["drift (data.n_drift)"] = d.n_drift
+        else:
+            drift = _interleave(evals) or val
+        if measure_drift and t.drift_every > 0 and not drift:
+            raise ValueError(
+                f"config field data.n_drift: train.drift_every={t.drift_every} measures query "
+                "drift on held-out queries, and this JSONL task has none (no "
+                "data.eval_benchmarks, no data.n_val); set data.n_drift=64 to hold 64 rows out "
+                "of training for it, add data.eval_benchmarks, or set train.drift_every=0.")
         held = [f"{n} for {what}" for what, n in held_out.items() if n]
         if held:   # every row kept out of training is counted, in the run's header
             report["held_out"] = {k: n for k, n in held_out.items() if n}
