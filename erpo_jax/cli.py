@@ -8,7 +8,7 @@
     erpo report runs/main_comparison/*/seed* --out runs/main_comparison/report
     erpo bench  [--quick]
     erpo plan   --config FILE --topology v4-8 [--json out.json] [--suggest]
-    erpo demo   (the embedded CPU demo: SFT, then RL three ways, then a summary)
+    erpo demo   (the embedded CPU demo: the slip testbed's reference, RL three ways, a summary)
     erpo config --show [--config FILE] [section.field=value ...]
 
 Every config field can be overridden with `section.field=value`, anywhere on
@@ -90,12 +90,11 @@ def _eval(args) -> int:
 
     import jax
 
-    from erpo_jax.runtime import compile_cache
-    from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
-    from erpo_jax.train.policy import build_sharding, check_model_dir, load_policy
-    from erpo_jax.train.tasks import load_task
     from erpo_jax.runtime import rundir
     from erpo_jax.train.config import ConfigError, validate
+    from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
+    from erpo_jax.train.policy import check_model_dir
+    from erpo_jax.train.startup import start
     cfg = _load(args)
     args.run_dir = None   # eval leaves no run to resume
     if args.checkpoint:
@@ -118,15 +117,12 @@ def _eval(args) -> int:
                               "--into-run to record it there as an eval (external_evals.jsonl), "
                               "never as a training step.")
     rundir.check_output_dir(out, "--out")
-    compile_cache.configure(cfg.train.compile_cache)
-    sharding = build_sharding(cfg)
-    model_cfg, params, tok = load_policy(cfg, sharding)
-    task = load_task(cfg, tok, drift=False)
+    s = start(cfg, policy="the model evaluated")
     try:
-        res = Evaluator(model_cfg, task, cfg, sharding).evaluate(
-            params, jax.random.key(cfg.train.seed), 0)
+        res = Evaluator(s.model_cfg, s.task, s.cfg, s.sharding).evaluate(
+            s.params, jax.random.key(cfg.train.seed), 0)
     finally:
-        task.close()
+        s.task.close()
     out = rundir.path(out)
     model = cfg.model.path if cfg.model.init in ("sft", "hf") else f"random {cfg.model.preset}"
     if args.into_run:   # recorded as an eval of the run, never as one of its training steps
@@ -215,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the embedded CPU demo (no download)")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--quick", action="store_true", help="a minimal run for smoke tests")
+    p.add_argument("--rebuild-reference", action="store_true",
+                   help="train the slip testbed's reference model (900 SFT steps, about 9 "
+                        "minutes on 2 cores) instead of using the one the package ships")
     p.set_defaults(func=_demo)
     return parser
 

@@ -1,92 +1,151 @@
 """The embedded CPU demo: what `erpo demo` (the README's first command) runs.
 
-1. SFT of a small character-level model on the arithmetic task (cached: a
-   second demo reuses it). This is the reference model.
-2. RL from it three ways with the same budget: GRPO + Policy-KL, no KL, ERPO.
-3. Evaluation on the six held-out families, a markdown summary with a table
-   and PNG plots (reward, accuracy, query drift, entropy vs step).
+It runs on the slip testbed (experiments/SLIP_TESTBED.md): a reference model
+whose worked solutions drop a carry or a borrow, so it often knows the right
+answer without committing to it (sampled pass@8 well above greedy pass@1) and
+RL has something to fix.
 
-The configs here are also the base of the CPU experiments in `experiments/`.
+1. The reference: the `arith-medium` model SFT'd for 900 steps on slipped
+   demonstrations (`presets.slip_sft_config`). Its export ships with the
+   package (`erpo_jax/assets/slip_reference/`, 6 MB), so the demo starts at RL;
+   `--rebuild-reference` trains it again (about 9 minutes on 2 cores), bit for
+   bit the same weights on the same CPU type and JAX version
+   (tests/test_demo.py).
+2. RL from it three ways with the same budget (50 steps, 16 prompts x 8
+   samples, the testbed's tuned coefficients): GRPO + Policy-KL, no KL, ERPO.
+3. Evaluation before and after on the six held-out families (100 problems
+   each): greedy pass@1, pass@1 and pass@8 from 8 samples at temperature 1;
+   query drift; a markdown summary with the table and PNG plots.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
-from erpo_jax.tools.presets import METHODS, arith_rl_config, arith_sft_config
+from erpo_jax.tools.presets import BETA_POLICY, BETA_QUERY, METHODS, slip_method_config, \
+    slip_sft_config
 from erpo_jax.train.config import RunConfig
 
-def accuracy_table(runs) -> str:
-    """Markdown: each method's accuracies at its first (the SFT model) and last evaluation."""
-    rows = ["| method | metric | SFT model (step 0) | after RL | change |", "|---|---|---|---|---|"]
+# The committed export of slip_sft_config() (README of that folder: how it was made).
+REFERENCE = Path(__file__).resolve().parents[1] / "assets" / "slip_reference"
+STEPS = 50
+LABELS = {"grpo+policy_kl": f"GRPO + Policy-KL (beta {BETA_POLICY})", "no_kl": "no KL",
+          "erpo": f"ERPO (beta_query {BETA_QUERY}, likelihood weights)"}
+ONE_SEED = ("One seed: it shows the size of RL's lift and of ERPO's lead at this budget, "
+            "not their spread; experiments/RESULTS.md has them over 5 seeds with 95% CIs.")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
+def _last_drift(run: dict) -> float | None:
+    vals = [m["drift/qkl_k3"] for m in run["metrics"] if "drift/qkl_k3" in m]
+    return vals[-1] if vals else None
+
+
+def accuracy_table(runs: list[dict]) -> str:
+    """Markdown: the reference (every run's step-0 evaluation) and each method
+    after RL, with its change in greedy pass@1, and its last query drift."""
+    keys = (("greedy_acc", "greedy pass@1"), ("pass@1", "sampled pass@1"),
+            ("pass@8", "sampled pass@8"))
+    first = runs[0]["evals"][0]["average"]
+    c = runs[0]["config"]
+    rows = [f"| method ({c['train']['steps']} RL steps, {c['train']['batch_size']} prompts x "
+            f"{c['rollout']['group_size']} samples) | "
+            + " | ".join(label for _, label in keys) + " | query drift (QKL k3, held-out) |",
+            "|---|" + "---|" * (len(keys) + 1),
+            "| reference (the SFT model, step 0) | "
+            + " | ".join(_pct(first.get(k)) for k, _ in keys) + " | 0 |"]
     for r in runs:
-        first, last = r["evals"][0]["average"], r["evals"][-1]["average"]
-        for key, label in (("greedy_acc", "greedy pass@1"), ("pass@1", "sampled pass@1"),
-                           ("pass@4", "sampled pass@4")):
-            if key in first and key in last:
-                rows.append(f"| {r['name']} | {label} | {100 * first[key]:.1f}% | "
-                            f"{100 * last[key]:.1f}% | {100 * (last[key] - first[key]):+.1f} |")
+        last = r["evals"][-1]["average"]
+        cells = [_pct(last.get(k)) for k, _ in keys]
+        cells[0] += f" ({100 * (last['greedy_acc'] - first['greedy_acc']):+.1f})"
+        drift = _last_drift(r)
+        rows.append(f"| {LABELS.get(r['name'], r['name'])} | " + " | ".join(cells)
+                    + f" | {'-' if drift is None else f'{drift:.3f}'} |")
     return "\n".join(rows)
 
 
 def _sft_done(cfg: RunConfig) -> bool:
     """An SFT run with the same config already exported its model."""
+    from erpo_jax.train.config import from_dict
     out = Path(cfg.train.out_dir)
     saved = out / "config.json"
     if not (out / "model" / "config.json").is_file() or not saved.is_file():
         return False
-    from erpo_jax.train.config import from_dict
     try:  # fields added since the run was saved take their defaults
         return from_dict(RunConfig, json.loads(saved.read_text())) == cfg
     except (TypeError, ValueError):
         return False
 
 
+def reference_model(out: Path, rebuild: bool) -> Path:
+    """The reference model directory: the committed one, or (rebuild, or the
+    package was installed without it) slip_sft_config() trained into out/sft."""
+    if not rebuild and (REFERENCE / "model.safetensors").is_file():
+        print(f"[demo] 1/3 the slip testbed's reference model, shipped in {REFERENCE} "
+              "(erpo demo --rebuild-reference trains it again)")
+        return REFERENCE
+    from erpo_jax.train.sft import MODEL_SUBDIR, run_sft
+    cfg = slip_sft_config(str(out / "sft"))
+    if _sft_done(cfg):
+        print(f"[demo] 1/3 reusing the reference model in {out / 'sft' / MODEL_SUBDIR}")
+    else:
+        print("[demo] 1/3 SFT of the slip testbed's reference model (900 steps)")
+        run_sft(cfg)
+    return out / "sft" / MODEL_SUBDIR
+
+
+def demo_config(method: str, reference: Path, out: Path, quick: bool = False) -> RunConfig:
+    """One demo run: the slip testbed's `method` at STEPS steps, evaluated at
+    the start and the end; quick: 2 steps on 4 prompts, 4 problems per family."""
+    cfg = slip_method_config(method, steps=2 if quick else STEPS, eval_every=2 if quick else STEPS,
+                             sft_model=str(reference))
+    train = dataclasses.replace(cfg.train, out_dir=str(out / method),
+                                ref_cache_dir=str(out / ".refcache"))
+    if quick:
+        train = dataclasses.replace(train, batch_size=4, eval_max_problems=4, drift_every=2,
+                                    drift_queries=8)
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, group_size=2),
+                                  data=dataclasses.replace(cfg.data, n_train=512))
+    return dataclasses.replace(cfg, train=train)
+
+
 def run_demo(args) -> int:
     from erpo_jax.tools.report import load_run, markdown, plot
     from erpo_jax.train.loop import train
-    from erpo_jax.train.sft import run_sft
 
     out = Path(args.out)
     quick = getattr(args, "quick", False)
     t0 = time.perf_counter()
-    sft_cfg = arith_sft_config(str(out / "sft"), steps=4 if quick else 300)
-    if quick:
-        sft_cfg = dataclasses.replace(sft_cfg, data=dataclasses.replace(
-            sft_cfg.data, n_train=512, n_test=8))
-    if _sft_done(sft_cfg):
-        print(f"[demo] reusing the SFT model in {out / 'sft' / 'model'}")
-    else:
-        print("[demo] 1/3 SFT of the reference model on the arithmetic task")
-        run_sft(sft_cfg)
-    sft_model = str(out / "sft" / "model")
+    print("[demo] the slip testbed: a reference whose worked solutions drop carries, "
+          "then RL from it three ways (experiments/SLIP_TESTBED.md)")
+    reference = reference_model(out, getattr(args, "rebuild_reference", False))
     run_dirs = []
     for i, method in enumerate(METHODS):
-        print(f"[demo] 2/3 RL {i + 1}/{len(METHODS)}: {method}")
-        cfg = arith_rl_config(method, sft_model, str(out / method), steps=2 if quick else 60)
-        if quick:
-            cfg = dataclasses.replace(
-                cfg, data=sft_cfg.data,
-                rollout=dataclasses.replace(cfg.rollout, group_size=2, max_new_tokens=8),
-                train=dataclasses.replace(cfg.train, batch_size=4, eval_max_problems=4,
-                                          drift_queries=8, progress=False))
-        train(cfg)
+        print(f"[demo] 2/3 RL {i + 1}/{len(METHODS)}: {LABELS[method]}")
+        train(demo_config(method, reference, out, quick))
         run_dirs.append(out / method)
     print("[demo] 3/3 summary")
     runs = [load_run(d) for d in run_dirs]
     pngs = plot(runs, out)
-    lines = ["# erpo-jax CPU demo", "",
-             "SFT reference model, then RL from it three ways with the same budget. Accuracy "
-             "on the six held-out arithmetic families (100 problems each), averaged: greedy "
-             "pass@1, and pass@1 / pass@4 from 4 samples at temperature 1 (what RL optimises).",
-             "", accuracy_table(runs), "", "Per family and over steps (greedy pass@1):", "",
-             markdown(runs), ""]
+    lines = ["# erpo-jax CPU demo: the slip testbed", "",
+             "The reference model (SFT on worked solutions that drop carries and borrows), "
+             f"then {runs[0]['config']['train']['steps']} RL steps from it three ways with the "
+             "same budget. Accuracy on the six held-out arithmetic families "
+             f"({runs[0]['config']['train']['eval_max_problems']} problems each), averaged: "
+             "greedy pass@1, "
+             "and pass@1 / pass@8 from 8 samples at temperature 1 (what RL optimises).", "",
+             accuracy_table(runs), "", ONE_SEED, "",
+             "Per family and over steps (greedy pass@1):", "", markdown(runs), ""]
     lines += [f"![{p.stem}]({p.name})" for p in pngs]
     lines += ["", f"Total wall time {time.perf_counter() - t0:.0f} s."]
     (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:7]))
+    print("\n".join(lines[:9]))
     print(f"[demo] wrote {out / 'SUMMARY.md'} in {time.perf_counter() - t0:.0f} s")
     return 0
