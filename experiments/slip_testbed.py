@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 from erpo_jax.tools.presets import (BETA_POLICY, BETA_QUERY, LR, METHODS, N_VAL,  # noqa: F401
-                                    SFT_SLIP, SLIP_EXPERIMENT, STEPS, slip_method_config,
+                                    SFT_SLIP, SLIP_ENTROPY_FLOOR, SLIP_EXPERIMENT, STEPS,
+                                    slip_method_config,
                                     slip_sft_config)
 from erpo_jax.train.config import RunConfig, apply_overrides, load_experiment
 
@@ -55,9 +56,7 @@ COMPARISONS = ([("erpo", "grpo+policy_kl"), ("erpo", "no_kl"), ("grpo+policy_kl"
                   ("qkl+uniform", "noqkl+likelihood"), ("qkl_k2", "erpo")]
                + [(f"{e}+erpo", f"{e}+no_kl") for e in ablations.ESTIMATORS]
                + [(f"beta_q{b}", "erpo") for b in BETA_Q_SWEEP])
-# Response entropy sits at 0.005-0.06 here (a confident model uncertain only at
-# carries), so the entropy floor is off; a collapse is the accuracy drop.
-ENTROPY_FLOOR = 0.0
+ENTROPY_FLOOR = SLIP_ENTROPY_FLOOR   # (presets: the testbed's entropy is low by nature)
 
 
 sft_config = slip_sft_config

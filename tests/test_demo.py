@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from erpo_jax.tools import demo
+from erpo_jax.tools import demo, presets
 from erpo_jax.tools.presets import slip_sft_config
 from erpo_jax.train.config import RunConfig, config_dict, from_dict, normalized
 
@@ -85,6 +85,8 @@ def test_the_quick_demo_logs_lines_and_a_rerun_gives_the_same_numbers(tmp_path):
     assert [x.split("|")[1].strip() for x in table[1:]] == \
         ["reference (the SFT model, step 0)"] + [demo.LABELS[m] for m in demo.METHODS]
     assert (tmp_path / "a" / "eval_average.png").is_file()
+    # The slip testbed's entropy is low by nature: a collapse is its accuracy drop.
+    assert f"response entropy is below {presets.SLIP_ENTROPY_FLOOR};" in summary
     # Deterministic on one CPU type and JAX version: a rerun's numbers are the same.
     _quick_demo(tmp_path / "b")
     assert _numbers(tmp_path / "b") == _numbers(tmp_path / "a")

@@ -26,8 +26,8 @@ import math
 import time
 from pathlib import Path
 
-from erpo_jax.tools.presets import BETA_POLICY, BETA_QUERY, METHODS, slip_method_config, \
-    slip_sft_config
+from erpo_jax.tools.presets import BETA_POLICY, BETA_QUERY, METHODS, SLIP_ENTROPY_FLOOR, \
+    slip_method_config, slip_sft_config
 from erpo_jax.train.config import RunConfig
 
 # The committed export of slip_sft_config() (README of that folder: how it was made).
@@ -142,7 +142,8 @@ def run_demo(args) -> int:
              "greedy pass@1, "
              "and pass@1 / pass@8 from 8 samples at temperature 1 (what RL optimises).", "",
              accuracy_table(runs), "", ONE_SEED, "",
-             "Per family and over steps (greedy pass@1):", "", markdown(runs), ""]
+             "Per family and over steps (greedy pass@1):", "",
+             markdown(runs, entropy_floor=SLIP_ENTROPY_FLOOR), ""]
     lines += [f"![{p.stem}]({p.name})" for p in pngs]
     lines += ["", f"Total wall time {time.perf_counter() - t0:.0f} s."]
     (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
