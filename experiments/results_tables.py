@@ -395,6 +395,61 @@ def slip_verdict_table() -> list[str]:
     return lines
 
 
+def _claim2_verdict(erpo, base_sides) -> str:
+    """RESULTS.md's pre-declared rule for claim 2 (section 'The verdict rule'):
+    an exact two-sided Mann-Whitney test on final held-out drift against each
+    baseline at p < 0.05. Held when ERPO's drift is the lower in every such test
+    and each is significant; did not hold when one is significant the other
+    way; otherwise inconclusive. With fewer than 4 seeds a side no split can
+    reach 0.05 (3 vs 3: 0.1), so such a setting gets no verdict."""
+    if any(min(t["n"]) < 4 for t, _ in base_sides):
+        return "n/a (under 4 seeds)"
+    lower = [(np.median(erpo) < np.median(b), t["p"] < 0.05) for t, b in base_sides]
+    if all(lo and sig for lo, sig in lower):
+        return "held"
+    if any(sig and not lo for lo, sig in lower):
+        return "did not hold"
+    return "inconclusive"
+
+
+def slip_claim2_table() -> list[str]:
+    """Claim 2 re-derived under the pre-declared rule, from the same runs as the
+    verdict table: per setting, ERPO's and each baseline's median final drift,
+    the exact Mann-Whitney p (primary), the ratio of geometric means with the
+    95% Welch CI on log drift (the effect size), the Welch CI on raw drift as the
+    old table had it (secondary), and the verdicts by both rules."""
+    stress = _experiment("slip_stress")
+    lr, t, steps = stress.REGIME
+    by_stress = runs("slip_stress")
+    settings = _slip_settings() + [
+        (f"stress regime: lr {lr:g}, T {t:g}, {steps} steps ({len(by_stress['erpo'])} seeds)",
+         by_stress, "{m}")]
+    lines = ["| setting | median drift: ERPO / GRPO + Policy-KL / no KL | Mann-Whitney p vs "
+             "GRPO + Policy-KL, vs no KL | drift ratio ERPO / baseline (95% CI on log): vs "
+             "GRPO + Policy-KL | vs no KL | raw Welch CI (secondary): vs GRPO + Policy-KL | "
+             "vs no KL | verdict, pre-declared rule | verdict, old rule |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for setting, by, pattern in settings:
+        erpo = _drifts(by[pattern.format(m="erpo")])
+        bases = [_drifts(by[pattern.format(m=b)]) for b in ("grpo+policy_kl", "no_kl")]
+        tests = [report.rank_test(erpo, b) for b in bases]
+        ratios, raws, old_sides = [], [], []
+        for b in bases:
+            e = report.effect(np.log(erpo), np.log(b))
+            ratios.append(f"{np.exp(e['diff']):.2g} [{np.exp(e['diff'] - e['half']):.2g}, "
+                          f"{np.exp(e['diff'] + e['half']):.2g}]")
+            text, raw = _diff(erpo, b, 1, 2)
+            raws.append(text)
+            old_sides.append((-(raw["diff"] + raw["half"]), -(raw["diff"] - raw["half"])))
+        old = ("held" if all(lo > 0 for lo, _ in old_sides) else
+               "did not hold" if any(hi < 0 for _, hi in old_sides) else "inconclusive")
+        medians = " / ".join(f"{np.median(x):.3g}" for x in [erpo, *bases])
+        lines.append(f"| {setting} | {medians} | {tests[0]['p']:.4f}, {tests[1]['p']:.4f} | "
+                     f"{ratios[0]} | {ratios[1]} | {raws[0]} | {raws[1]} | "
+                     f"**{_claim2_verdict(erpo, list(zip(tests, bases)))}** | {old} |")
+    return lines
+
+
 def slip_temperature_table() -> list[str]:
     """The three methods at rollout temperature 1 (the main comparison) and hot."""
     lines = ["| T | method | final greedy pass@1 | final sampled pass@1 | final pass@8 | "
@@ -454,6 +509,7 @@ def slip_wall_table() -> list[str]:
 TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "temperature": temperature_table, "long_horizon": long_horizon_table,
           "ablations": ablations_table, "slip_verdicts": slip_verdict_table,
+          "slip_claim2": slip_claim2_table,
           "slip_reference": slip_reference_table, "slip_tuning": slip_tuning_table,
           "slip_search": slip_search_table, "slip_main": slip_main_table,
           "slip_stress": slip_stress_table, "slip_ablations": slip_ablations_table,

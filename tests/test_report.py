@@ -115,6 +115,31 @@ def test_effect_size_is_welch_difference_against_seed_noise(runs):
     assert cells[4] == f"{diff / sd:+.2f}"
 
 
+def test_rank_test_is_scipys_exact_mann_whitney_and_counts_ties_half():
+    rng = np.random.default_rng(0)
+    for n, m in [(5, 5), (3, 3), (4, 6), (5, 3)]:
+        a, b = rng.normal(size=n), rng.normal(size=m) + 0.8
+        got = report.rank_test(a, b)
+        want = stats.mannwhitneyu(a, b, method="exact", alternative="two-sided")
+        assert got["u"] == want.statistic and math.isclose(got["p"], want.pvalue)
+    # Closed forms: full separation at 5 vs 5 is 2 of the C(10, 5) = 252 splits;
+    # a drift tail of any size leaves the ranks, and so p, as they were.
+    assert math.isclose(report.rank_test([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])["p"], 2 / 252)
+    assert report.rank_test([1, 2, 3, 4, 5], [6, 7, 8, 9, 1e6]) == \
+        report.rank_test([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    # Ties count half: equal samples give U = nm/2 and p = 1.
+    assert report.rank_test([1, 1, 1], [1, 1, 1]) == {"u": 4.5, "p": 1.0, "n": (3, 3)}
+    # One tie across groups, checked against a hand enumeration of the 20 splits.
+    import itertools
+    pooled = [0.5, 1.0, 2.0, 1.0, 3.0, 4.0]
+    def u(idx):
+        return sum((pooled[i] > pooled[j]) + 0.5 * (pooled[i] == pooled[j])
+                   for i in idx for j in range(6) if j not in idx)
+    far = abs(u((0, 1, 2)) - 4.5)
+    want = np.mean([abs(u(c) - 4.5) >= far for c in itertools.combinations(range(6), 3)])
+    assert report.rank_test(pooled[:3], pooled[3:])["p"] == want
+
+
 def test_pngs_and_collapse_definition(runs):
     root, dirs, _ = runs
     out = root / "out"
