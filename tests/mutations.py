@@ -57,7 +57,8 @@ MUTATIONS = [
              "self.weights = self.ref_cache.weights(",
              "self.weights = 1 + 0 * self.ref_cache.weights(", (PG_WIRING,)),
     Mutation("resume_from_scratch", "on resume, ignore the checkpoint and retrain from step 0",
-             "erpo_jax/train/loop.py", "latest = self.ckpt.latest_step()", "latest = None",
+             "erpo_jax/train/loop.py", "self._latest = latest = self.ckpt.latest_step()",
+             "self._latest = latest = None",
              (RESUME,)),
     Mutation("resume_loses_data_position", "on resume, the data iterator's position is not "
              "restored", "erpo_jax/train/loop.py", "self.iterator.set_state(meta[\"data\"])",

@@ -23,8 +23,8 @@ def _padded_task_loader(width: int):
     BOS) to exactly `width` tokens, so the rollout has the benchmark's prompt length."""
     from erpo_jax.train import tasks as tasks_lib
 
-    def load(cfg, tokenizer):
-        task = tasks_lib.load_task(cfg, tokenizer)
+    def load(cfg, tokenizer, **kw):
+        task = tasks_lib.load_task(cfg, tokenizer, **kw)
         filler = tokenizer.encode_prompt(" ")[-1]
         task.train_prompts = [p[:1] + [filler] * (width - len(p)) + p[1:]
                               for p in task.train_prompts]
@@ -47,6 +47,7 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
     probability set by the bias: the peer's `varied` config, `tunix_varied.py`;
     the update's log-probs do not see it)."""
     from erpo_jax.train import loop as loop_lib
+    from erpo_jax.train import startup
     from erpo_jax.train.config import (AlgoSection, DataSection, MeshSection, ModelSection,
                                        OptimSection, RolloutSection, RunConfig, TrainSection)
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +69,7 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
         with contextlib.ExitStack() as patches:
             if eos_bias:
                 _bias_eos_logits(patches, eos_bias)
-            with mock.patch.object(loop_lib, "load_task", _padded_task_loader(prompt_len)):
+            with mock.patch.object(startup, "load_task", _padded_task_loader(prompt_len)):
                 trainer = loop_lib.Trainer(cfg)
             try:
                 yield trainer, time.perf_counter() - t0
