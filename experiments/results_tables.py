@@ -207,6 +207,16 @@ def _diff(a, b, scale: float = 100.0, digits: int = 1) -> tuple[str, dict]:
             f"{(e['diff'] + e['half']) * scale:+.{digits}f}]", e)
 
 
+def _ci_verdict(effects: list[dict], sign: int) -> str:
+    """The CI rule over ERPO − each baseline (`report.effect`s): held when every
+    95% CI is on ERPO's side of 0 (sign +1: above, -1: below), did not hold when
+    one is on the other side, otherwise inconclusive."""
+    sides = [sorted((sign * (e["diff"] - e["half"]), sign * (e["diff"] + e["half"])))
+             for e in effects]
+    return ("held" if all(lo > 0 for lo, _ in sides) else
+            "did not hold" if any(hi < 0 for _, hi in sides) else "inconclusive")
+
+
 def _reference_evals() -> list[dict]:
     """The step-0 evaluation of every main-comparison run: the reference, sampled
     with each run's seed."""
@@ -353,15 +363,13 @@ def slip_verdict_table() -> list[str]:
              "vs no KL | verdict |", "|---|---|---|---|---|---|"]
 
     def row(claim, setting, by, pattern, measure, fn, scale, digits, sign):
-        cells, sides = [], []
+        cells, effects = [], []
         erpo = [fn(r) for r in by[pattern.format(m="erpo")]]
         for b in ("grpo+policy_kl", "no_kl"):
             text, e = _diff(erpo, [fn(r) for r in by[pattern.format(m=b)]], scale, digits)
             cells.append(text)
-            # the CI in ERPO's favour-is-positive orientation
-            sides.append(sorted((sign * (e["diff"] - e["half"]), sign * (e["diff"] + e["half"]))))
-        verdict = ("held" if all(lo > 0 for lo, _ in sides) else
-                   "did not hold" if any(hi < 0 for _, hi in sides) else "inconclusive")
+            effects.append(e)
+        verdict = _ci_verdict(effects, sign)
         lines.append(f"| {claim} | {setting} | {measure} | {cells[0]} | {cells[1]} | **{verdict}** |")
 
     def collapse_row(setting, by, pattern, mod):
@@ -433,16 +441,15 @@ def slip_claim2_table() -> list[str]:
         erpo = _drifts(by[pattern.format(m="erpo")])
         bases = [_drifts(by[pattern.format(m=b)]) for b in ("grpo+policy_kl", "no_kl")]
         tests = [report.rank_test(erpo, b) for b in bases]
-        ratios, raws, old_sides = [], [], []
+        ratios, raws, raw_effects = [], [], []
         for b in bases:
             e = report.effect(np.log(erpo), np.log(b))
             ratios.append(f"{np.exp(e['diff']):.2g} [{np.exp(e['diff'] - e['half']):.2g}, "
                           f"{np.exp(e['diff'] + e['half']):.2g}]")
             text, raw = _diff(erpo, b, 1, 2)
             raws.append(text)
-            old_sides.append((-(raw["diff"] + raw["half"]), -(raw["diff"] - raw["half"])))
-        old = ("held" if all(lo > 0 for lo, _ in old_sides) else
-               "did not hold" if any(hi < 0 for _, hi in old_sides) else "inconclusive")
+            raw_effects.append(raw)
+        old = _ci_verdict(raw_effects, -1)   # lower drift is ERPO's side
         medians = " / ".join(f"{np.median(x):.3g}" for x in [erpo, *bases])
         lines.append(f"| {setting} | {medians} | {tests[0]['p']:.4f}, {tests[1]['p']:.4f} | "
                      f"{ratios[0]} | {ratios[1]} | {raws[0]} | {raws[1]} | "

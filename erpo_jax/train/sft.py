@@ -78,8 +78,8 @@ def run_sft(cfg: RunConfig) -> dict:
             run["lock"] = RunLock(run_dir, "erpo sft")
         run["ckpt"] = ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints,
                                                    t.ckpt_every)
+        run["latest"] = latest = ckpt.latest_step()
         if primary:
-            latest = ckpt.latest_step()
             # Checked now, written once the start has succeeded (_run_sft).
             run["config_record"] = rundir.check_config(
                 run_dir, config_dict(cfg), normalized, start_step=latest or 0,
@@ -89,7 +89,7 @@ def run_sft(cfg: RunConfig) -> dict:
     try:
         # SFT measures no drift; the rows it trains on are data.*'s alone.
         started = startup.start(cfg, policy="the starting model", claim=claim)
-        return _run_sft(started, run["dir"], run["primary"], run["ckpt"],
+        return _run_sft(started, run["dir"], run["primary"], run["ckpt"], run["latest"],
                         run.get("config_record"))
     finally:
         if started is not None and started.task is not None:
@@ -100,7 +100,8 @@ def run_sft(cfg: RunConfig) -> dict:
             run["lock"].close()
 
 
-def _run_sft(started: startup.Started, run_dir, primary: bool, ckpt, config_record) -> dict:
+def _run_sft(started: startup.Started, run_dir, primary: bool, ckpt, latest: int | None,
+             config_record) -> dict:
     cfg, sharding, task = started.cfg, started.sharding, started.task
     model_cfg, params, tok = started.model_cfg, started.params, started.tokenizer
     t, o = cfg.train, cfg.optim
@@ -136,7 +137,7 @@ def _run_sft(started: startup.Started, run_dir, primary: bool, ckpt, config_reco
                      compiler_options=xla_options.for_steps())
     iterator = QueryBatchIterator(len(seqs), t.batch_size, t.seed)
     start = 0
-    if ckpt.latest_step() is not None:
+    if latest is not None:
         state, meta = ckpt.restore(state)
         start = int(meta["step"])
         iterator.set_state(meta["data"])
