@@ -73,6 +73,15 @@ BAD_INPUTS = [
     ("model.param_dtype=float13", "model.param_dtype"),
     ("model.compute_dtype=fp8", "model.compute_dtype"),
     ("data.eval_benchmarks=gsm8k,nope", "data.eval_benchmarks"),
+    # The stability techniques (issue 35).
+    ("loss.pg_loss=cispo", "loss.pg_loss"),
+    ("loss.pg_loss=kl_cov loss.kl_cov_ratio=0", "loss.kl_cov_ratio"),
+    ("loss.pg_loss=clip_cov loss.clip_cov_ub=0.5", "loss.clip_cov_ub"),
+    ("loss.kl_target=0.01", "loss.kl_target"),   # adapts beta_policy, which is 0
+    ("algo.advantage=dr_grpo rollout.group_size=1 algo.filter_groups=true", "algo.filter_groups"),
+    ("algo.filter_max_batches=0", "algo.filter_max_batches"),
+    ("algo.overlong_buffer=1000", "algo.overlong_buffer"),
+    ("algo.overlong_penalty=-1", "algo.overlong_penalty"),
 ]
 
 

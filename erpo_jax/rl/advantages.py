@@ -224,6 +224,8 @@ def outcome_to_token_rewards(rewards: jax.Array, response_mask: jax.Array) -> ja
     return jnp.where(at_last, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)
 
 
+# The outcome formulas by name (the raw functions above); the trainer's registry
+# of estimators, with their properties, is `erpo_jax.rl.estimators`.
 OUTCOME_ESTIMATORS: dict[str, Callable[..., jax.Array]] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
@@ -231,22 +233,20 @@ OUTCOME_ESTIMATORS: dict[str, Callable[..., jax.Array]] = {
     "reinforce": reinforce,
     "reinforce_pp": reinforce_pp,
 }
-ESTIMATORS: dict[str, Callable] = {**OUTCOME_ESTIMATORS, "gae": gae}
 
 
 def get_estimator(name: str) -> Callable:
-    """The advantage estimator called `name` (see `ESTIMATORS`)."""
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"Unknown advantage estimator {name!r}; choose one of "
-                         f"{sorted(ESTIMATORS)}.") from None
+    """The outcome formula of the registered estimator `name` (ValueError for
+    an unknown name; for 'gae' the per-token `gae`)."""
+    from erpo_jax.rl import estimators
+    estimators.get(name)
+    return gae if name == "gae" else OUTCOME_ESTIMATORS[name]
 
 
 def needs_critic(name: str) -> bool:
-    """True only for estimators that need a learned value function (PPO's GAE)."""
-    get_estimator(name)
-    return name == "gae"
+    """True for estimators that need a learned value function (PPO's GAE)."""
+    from erpo_jax.rl import estimators
+    return estimators.get(name).needs_critic
 
 
 def compute_advantages(name: str, rewards, group_size: int | None = None, **kwargs) -> jax.Array:
@@ -255,7 +255,7 @@ def compute_advantages(name: str, rewards, group_size: int | None = None, **kwar
     kwargs go to the estimator (e.g. eps for grpo, group_baseline for
     reinforce_pp). For 'gae' call `gae` directly: it needs the critic's values.
     """
-    if name == "gae":
-        raise ValueError("'gae' is per-token and needs critic values; call advantages.gae(...) "
-                         "with token rewards, values and the response mask.")
+    if needs_critic(name):
+        raise ValueError(f"{name!r} is per-token and needs critic values; call "
+                         "advantages.gae(...) with token rewards, values and the response mask.")
     return get_estimator(name)(rewards, group_size, **kwargs)

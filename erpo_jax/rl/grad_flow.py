@@ -1,7 +1,8 @@
 """Gradient-flow inspector: where each loss term's gradient goes.
 
-For a batch and a LossConfig it reports, for every term (pg, policy_kl,
-query_kl, entropy) and their sum (total):
+For a batch and a LossConfig it reports, for every registered term
+(`erpo_jax/rl/terms/`: pg, policy_kl, query_kl, entropy, and any added
+since) and their sum (total):
   - the norm of the term's gradient with respect to the logits, split into
     query positions, response positions and the rest (padding);
   - the norm of the term's gradient with respect to the parameters;
@@ -33,16 +34,20 @@ import jax.numpy as jnp
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import PRESETS, ModelConfig
 from erpo_jax.rl.batch import RLBatch
-from erpo_jax.rl.loss import TERMS, LossConfig, loss_terms, stats_from_logits
+from erpo_jax.rl.loss import LossConfig, loss_terms, stats_from_logits
+from erpo_jax.rl.terms import TERMS
 
-ROWS = TERMS + ("total",)
+
+def rows() -> tuple[str, ...]:
+    """The report's rows: every registered term, in registry order, then 'total'."""
+    return tuple(TERMS) + ("total",)
 
 
 def unit_coefficients(cfg: LossConfig, has_ref_logp: bool) -> LossConfig:
     """The config with every regulariser's coefficient set to 1 (Policy-KL only if
     reference response log-probs exist), to compare raw gradient directions."""
     return dataclasses.replace(cfg, beta_policy=1.0 if has_ref_logp else 0.0, beta_query=1.0,
-                               entropy_coef=1.0, policy_kl_mode="loss")
+                               entropy_coef=1.0, policy_kl_mode="loss", kl_target=0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg_model", "loss_cfg", "temperature"))
@@ -55,37 +60,39 @@ def _inspect(params, batch: RLBatch, cfg_model: ModelConfig, loss_cfg: LossConfi
     logits, vjp = jax.vjp(logits_fn, params)
     targets = batch.tokens[:, 1:]
 
+    names = rows()
+
     def all_terms(lg):
         terms, _ = loss_terms(stats_from_logits(lg, targets, temperature), batch, loss_cfg)
-        values = [terms[name] for name in TERMS]
+        values = [terms[name] for name in names[:-1]]
         return jnp.stack(values + [sum(values)])
 
-    # The terms' logit gradients [len(ROWS), N, T-1, V], then one model backward
+    # The terms' logit gradients [rows, N, T-1, V], then one model backward
     # per term, stacked. (Not jax.vmap(vjp): batching the attention's custom
     # backward over the cotangents mixed them, so a term with a zero logit
     # gradient got a non-zero parameter gradient.)
     values = all_terms(logits)
     g_logits = jax.jacrev(all_terms)(logits)
-    per_term = [vjp(g_logits[i])[0] for i in range(len(ROWS))]
+    per_term = [vjp(g_logits[i])[0] for i in range(len(names))]
     g_params = jax.tree.map(lambda *xs: jnp.stack(xs), *per_term)
     qm = batch.query_mask.astype(bool)
     rm = batch.response_mask.astype(bool)
     other = ~(qm | rm)
-    g2 = jnp.sum(jnp.square(g_logits), axis=-1)  # [len(ROWS), N, T-1]
+    g2 = jnp.sum(jnp.square(g_logits), axis=-1)  # [rows, N, T-1]
     part = lambda m: jnp.sqrt(jnp.sum(jnp.where(m, g2, 0.0), axis=(1, 2)))
-    flat = jnp.concatenate([x.reshape(len(ROWS), -1).astype(jnp.float32)
+    flat = jnp.concatenate([x.reshape(len(names), -1).astype(jnp.float32)
                             for x in jax.tree.leaves(g_params)], axis=1)
     gram = flat @ flat.T
     stats = {"value": values, "logit_grad_query": part(qm), "logit_grad_response": part(rm),
              "logit_grad_other": part(other), "param_grad_norm": jnp.sqrt(jnp.diagonal(gram))}
-    out = {name: {k: v[i] for k, v in stats.items()} for i, name in enumerate(ROWS)}
-    dots = {f"{ROWS[i]}|{ROWS[j]}": gram[i, j]
-            for i, j in itertools.combinations(range(len(ROWS)), 2)}
+    out = {name: {k: v[i] for k, v in stats.items()} for i, name in enumerate(names)}
+    dots = {f"{names[i]}|{names[j]}": gram[i, j]
+            for i, j in itertools.combinations(range(len(names)), 2)}
     return out, dots, _by_layer(g_params)
 
 
 def _by_layer(g_params) -> dict:
-    """{group: float32[len(ROWS)]} squared-norm sums per parameter group: each
+    """{group: float32[rows]} squared-norm sums per parameter group: each
     top-level entry ('embed', 'final_norm', 'lm_head', ...) on its own and the
     stacked `layers` subtree split along its leading [L] axis ('layer_<i>')."""
     sq = {}
@@ -93,7 +100,7 @@ def _by_layer(g_params) -> dict:
         top = str(getattr(path[0], "key", path[0]))
         g = jnp.square(g.astype(jnp.float32))
         if top == "layers":
-            per = jnp.sum(g.reshape(g.shape[0], g.shape[1], -1), axis=-1)   # [ROWS, L]
+            per = jnp.sum(g.reshape(g.shape[0], g.shape[1], -1), axis=-1)   # [rows, L]
             for i in range(g.shape[1]):
                 sq[f"layer_{i}"] = sq.get(f"layer_{i}", 0.0) + per[:, i]
         else:
@@ -109,20 +116,21 @@ def inspect_gradients(params, cfg_model: ModelConfig, batch: RLBatch, loss_cfg: 
     logit_grad_other, param_grad_norm}}, "cosine": {"a|b": cos or nan when a
     gradient is 0}, "param_grad_by_layer": {term: {group: norm}} (groups:
     'embed', 'layer_0'.., 'final_norm', 'lm_head'), "loss_config": {...}} for
-    terms in ROWS. unit=True first replaces the coefficients by 1
+    terms in `rows()`. unit=True first replaces the coefficients by 1
     (`unit_coefficients`).
     """
     if unit:
         loss_cfg = unit_coefficients(loss_cfg, batch.ref_logp is not None)
     out, dots, layer_sq = _inspect(params, batch, cfg_model, loss_cfg, float(temperature))
-    terms = {k: {m: float(v) for m, v in out[k].items()} for k in ROWS}
+    names = rows()
+    terms = {k: {m: float(v) for m, v in out[k].items()} for k in names}
     cosine = {}
     for key, dot in dots.items():
         a, b = key.split("|")
         na, nb = terms[a]["param_grad_norm"], terms[b]["param_grad_norm"]
         cosine[key] = float(dot) / (na * nb) if na > 0 and nb > 0 else math.nan
     layers = {name: {g: math.sqrt(float(v[i])) for g, v in layer_sq.items()}
-              for i, name in enumerate(ROWS)}
+              for i, name in enumerate(names)}
     return {"terms": terms, "cosine": cosine, "param_grad_by_layer": layers,
             "loss_config": dataclasses.asdict(loss_cfg), "temperature": float(temperature)}
 

@@ -1,9 +1,15 @@
 """One jittable loss for every variant (GRPO + Policy-KL, no KL, ERPO, PPO, REINFORCE...).
 
-    L = agg(w[query] * pg[t])                     clipped PG surrogate, per-query weight
+    L = agg(w[query] * pg[t])                     PG surrogate (loss.pg_loss), per-query weight
       + beta_policy  * agg(k(logp_ref - logp))    Policy-KL, response positions
       + beta_query   * QKL                        Query-KL, query positions, temperature 1
       - entropy_coef * agg(entropy[t])
+
+Each line is a registered term (`erpo_jax/rl/terms/`, one module each) and
+the PG surrogate a registered policy loss (`erpo_jax/rl/policy_losses/`:
+ppo_clip, clip_cov, kl_cov): `loss_terms` calls every registered term and
+the loss is their sum, so a new term is one module plus its coefficient's
+field here.
 
 `agg` runs over response positions only, in one of three modes:
   token_mean            sum over all response tokens / their count
@@ -32,12 +38,13 @@ import jax.numpy as jnp
 from erpo_jax.model.logprobs import TokenLogprobs, logprobs_from_logits, token_logprobs
 from erpo_jax.rl.batch import RLBatch  # noqa: F401  (re-exported: the loss's input)
 from erpo_jax.rl.kl import ESTIMATORS as KL_ESTIMATORS
-from erpo_jax.rl.kl import LOG_RATIO_LIMIT, kl_estimate
-from erpo_jax.rl.query_kl import check_loss_estimator, query_kl
+from erpo_jax.rl.policy_losses import POLICY_LOSSES, get_policy_loss
+from erpo_jax.rl.query_kl import check_loss_estimator
+# TERMS: the registered terms, name -> Term, in their order (the loss's dict,
+# the update's shares, the inspector's rows); re-exported here.
+from erpo_jax.rl.terms import AGG_MODES, TERMS, LossInputs, aggregate  # noqa: F401
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 POLICY_KL_MODES = ("loss", "reward")
-TERMS = ("pg", "policy_kl", "query_kl", "entropy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,18 @@ class LossConfig:
     entropy_coef: coefficient of the entropy bonus.
     agg_mode: one of AGG_MODES; seq_sum_norm_const is the constant of
       'seq_sum_norm' (e.g. the maximum response length).
+    pg_loss: the PG term's per-token surrogate, a registered policy loss:
+      'ppo_clip' (default), 'clip_cov' or 'kl_cov' (rl/policy_losses/).
+    clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens
+      detached and the covariance band they are drawn from (the paper's
+      2e-4, 1, 5).
+    kl_cov_ratio, kl_cov_coef: KL-Cov's fraction of tokens penalised and the
+      coefficient of |log r| on them (the paper's 2e-3, 1).
+    kl_target: > 0 makes beta_policy adaptive (rl/kl_control.py): its initial
+      value is beta_policy, and after each update it moves toward this
+      Policy-KL; 0 = a fixed beta_policy.
+    kl_horizon: the adaptive controller's horizon in samples (a coefficient
+      changes by at most 20% per kl_horizon samples).
     """
 
     eps_low: float = 0.2
@@ -73,6 +92,14 @@ class LossConfig:
     entropy_coef: float = 0.0
     agg_mode: str = "token_mean"
     seq_sum_norm_const: float | None = None
+    pg_loss: str = "ppo_clip"
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
+    kl_target: float = 0.0
+    kl_horizon: float = 10000.0
 
     def __post_init__(self):
         self.validate()
@@ -108,6 +135,22 @@ class LossConfig:
                 raise ValueError("LossConfig.seq_sum_norm_const must be a positive constant (e.g. "
                                  "the maximum response length) when agg_mode='seq_sum_norm', "
                                  f"got {self.seq_sum_norm_const}.")
+        if self.pg_loss not in POLICY_LOSSES:
+            raise ValueError(f"LossConfig.pg_loss is {self.pg_loss!r}; choose one of "
+                             f"{sorted(POLICY_LOSSES)}.")
+        if self.kl_target < 0:
+            raise ValueError(f"LossConfig.kl_target must be >= 0 (0 = a fixed beta_policy), got "
+                             f"{self.kl_target}.")
+        if self.kl_target > 0:
+            if not self.beta_policy > 0:
+                raise ValueError(f"LossConfig.kl_target={self.kl_target} adapts beta_policy, "
+                                 "which is 0 (Policy-KL off); set beta_policy to the initial "
+                                 "coefficient.")
+            if not self.kl_horizon > 0:
+                raise ValueError(f"LossConfig.kl_horizon must be > 0, got {self.kl_horizon}.")
+        for term in TERMS.values():
+            if term.check is not None:
+                term.check(self)
 
     @property
     def policy_kl_in_loss(self) -> bool:
@@ -117,6 +160,16 @@ class LossConfig:
     def needs_ref_logp(self) -> bool:
         """Whether the trainer must run the reference over the responses."""
         return self.beta_policy > 0
+
+    @property
+    def adaptive_kl(self) -> bool:
+        """Whether beta_policy is the adaptive controller's (kl_target > 0)."""
+        return self.kl_target > 0
+
+    @property
+    def needs_key(self) -> bool:
+        """Whether the loss draws (its policy loss needs a PRNG key)."""
+        return get_policy_loss(self.pg_loss).needs_key
 
 
 def stats_from_logits(logits: jax.Array, targets: jax.Array, temperature=1.0) -> TokenLogprobs:
@@ -130,21 +183,6 @@ def stats_from_logits(logits: jax.Array, targets: jax.Array, temperature=1.0) ->
     return TokenLogprobs(logp, ent, logp_t1)
 
 
-def aggregate(x: jax.Array, mask: jax.Array, mode: str, norm_const: float | None = None):
-    """float32[] aggregate of per-token x float32[N, T-1] over mask bool[N, T-1]."""
-    m = mask.astype(bool)
-    x = jnp.where(m, x, 0.0)
-    if mode == "token_mean":
-        return jnp.sum(x) / jnp.maximum(jnp.sum(m), 1).astype(jnp.float32)
-    if mode == "seq_mean_token_mean":
-        lens = jnp.sum(m, axis=-1)
-        row = jnp.sum(x, axis=-1) / jnp.maximum(lens, 1).astype(jnp.float32)
-        return jnp.sum(row) / jnp.maximum(jnp.sum(lens > 0), 1).astype(jnp.float32)
-    if mode == "seq_sum_norm":
-        return jnp.sum(x) / (x.shape[0] * norm_const)
-    raise ValueError(f"Unknown aggregation mode {mode!r}; choose one of {AGG_MODES}.")
-
-
 def _check_shapes(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig) -> None:
     """Trace-time checks: shapes are static, so mismatches fail here, not as NaNs."""
     N, T1 = batch.response_mask.shape
@@ -156,12 +194,15 @@ def _check_shapes(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig) -> None
             raise ValueError(f"batch.tokens has shape {tuple(batch.tokens.shape)} but "
                              f"batch.response_mask has {(N, T1)}; per-token fields must have "
                              "one column fewer than tokens.")
-    if cfg.policy_kl_in_loss:
-        if batch.ref_logp is None:
-            raise ValueError(f"beta_policy={cfg.beta_policy} puts Policy-KL in the loss, which "
-                             "needs batch.ref_logp (reference log-probs of the response tokens), "
-                             "but it is None.")
-        want["batch.ref_logp"] = batch.ref_logp
+    for term in TERMS.values():
+        if not term.is_on(cfg):
+            continue
+        for field in term.needs:
+            if getattr(batch, field) is None:
+                what = (f"beta_policy={cfg.beta_policy} puts Policy-KL in the loss, which"
+                        if term.name == "policy_kl" else f"the loss term {term.name!r}")
+                raise ValueError(f"{what} needs batch.{field}, but it is None.")
+            want[f"batch.{field}"] = getattr(batch, field)
     for name, a in want.items():
         if tuple(a.shape) != (N, T1):
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {(N, T1)} like "
@@ -175,101 +216,64 @@ def _check_shapes(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig) -> None
                              f"expected {(N,)}.")
 
 
-def loss_terms(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig):
+def loss_terms(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, coef=None, key=None):
     """(terms, metrics): each term as it enters the loss (coefficient and sign included).
 
-    terms: dict over TERMS of float32[]; the loss is exactly their sum. A term
-    whose coefficient is 0 is a constant 0.0 (nothing is computed for it and,
-    for Policy-KL, batch.ref_logp is not read).
+    terms: dict over TERMS (the registered terms, `erpo_jax/rl/terms/`) of
+    float32[]; the loss is exactly their sum. A term that is off is a
+    constant 0.0 (nothing is computed for it and none of its batch fields,
+    e.g. Policy-KL's batch.ref_logp, is read).
+    coef: {LossConfig field: value} overriding coefficients (the update passes
+      the adaptive Policy-KL coefficient, a traced float32[]).
+    key: PRNG key for a policy loss that draws (clip_cov); default key(0).
     """
     _check_shapes(stats, batch, cfg)
     rm = batch.response_mask.astype(bool)
-    qm = batch.query_mask.astype(bool)
-    agg = lambda x: aggregate(x, rm, cfg.agg_mode, cfg.seq_sum_norm_const)
-    f32 = lambda x: x.astype(jnp.float32)
-    logp, ent = f32(stats.logp), f32(stats.entropy)
+    coef = dict(coef or {})
+    if key is None and cfg.needs_key:
+        key = jax.random.key(0)
+    inputs = LossInputs(
+        logp=stats.logp.astype(jnp.float32), entropy=stats.entropy.astype(jnp.float32),
+        logp_t1=stats.logp_t1.astype(jnp.float32), batch=batch, cfg=cfg, rm=rm,
+        qm=batch.query_mask.astype(bool),
+        agg=lambda x: aggregate(x, rm, cfg.agg_mode, cfg.seq_sum_norm_const),
+        coef=lambda name: coef[name] if name in coef else getattr(cfg, name), key=key)
     zero = jnp.zeros((), jnp.float32)
-
-    # --- PG surrogate (response positions).
-    adv = f32(batch.advantages)
-    adv = adv[:, None] if adv.ndim == 1 else adv
-    adv = jnp.where(rm, adv, 0.0)
-    log_ratio = jnp.where(rm, logp - f32(batch.old_logp), 0.0)
-    ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))  # cannot overflow
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    pg = jnp.maximum(pg_unclipped, pg_clipped)
-    clipped = rm & (pg_clipped > pg_unclipped)
-    if cfg.dual_clip is not None:
-        cap = -adv * cfg.dual_clip  # = c * |A| for A < 0
-        dual = rm & (adv < 0) & (pg > cap)
-        pg = jnp.where(adv < 0, jnp.minimum(pg, cap), pg)
-    pg = pg * f32(batch.query_weight)[:, None]
-    terms = {"pg": agg(pg)}
-
-    # --- Policy-KL (response positions, sampling temperature).
-    if cfg.policy_kl_in_loss:
-        pkl = agg(kl_estimate(logp, batch.ref_logp, cfg.policy_kl_estimator, rm, cfg.kl_clamp))
-        terms["policy_kl"] = cfg.beta_policy * pkl
-    else:
-        pkl = None
-        terms["policy_kl"] = zero
-
-    # --- Query-KL (query positions, temperature 1, once per query).
-    qkl_args = (f32(stats.logp_t1), f32(batch.ref_query_logp), qm, batch.group_id)
-    sg = jax.lax.stop_gradient
-    mon_args = (sg(qkl_args[0]),) + qkl_args[1:]
-    if cfg.beta_query > 0:
-        qkl = query_kl(*qkl_args, cfg.query_kl_estimator, cfg.kl_clamp)
-        terms["query_kl"] = cfg.beta_query * qkl
-    else:
-        qkl = query_kl(*mon_args, cfg.query_kl_estimator, cfg.kl_clamp)
-        terms["query_kl"] = zero
-
-    # --- Entropy bonus (response positions).
-    mean_ent = agg(ent)
-    terms["entropy"] = -cfg.entropy_coef * mean_ent if cfg.entropy_coef > 0 else zero
-
-    # --- Monitoring (no gradient).
-    n_tok = jnp.maximum(jnp.sum(rm), 1).astype(jnp.float32)
-    tok_mean = lambda x: jnp.sum(jnp.where(rm, x, 0.0)) / n_tok
-    any_tok = jnp.any(rm)
-    metrics = {
-        "pg_loss": sg(terms["pg"]),
-        "policy_kl": sg(pkl) if pkl is not None else zero,
-        "query_kl": sg(qkl),
-        "query_kl_k1": query_kl(*mon_args, "k1"),
-        "query_kl_k3": query_kl(*mon_args, "k3"),
-        "entropy": sg(tok_mean(ent)),
-        "clip_frac": tok_mean(clipped.astype(jnp.float32)),
-        "ratio_mean": sg(tok_mean(ratio)),
-        "ratio_min": sg(jnp.where(any_tok, jnp.min(jnp.where(rm, ratio, jnp.inf)), 1.0)),
-        "ratio_max": sg(jnp.where(any_tok, jnp.max(jnp.where(rm, ratio, -jnp.inf)), 1.0)),
-        "approx_kl_old": sg(tok_mean(kl_estimate(logp, batch.old_logp, "k3", rm))),
-        "response_tokens": jnp.sum(rm).astype(jnp.float32),
-    }
-    if cfg.dual_clip is not None:
-        metrics["dual_clip_frac"] = tok_mean(dual.astype(jnp.float32))
+    terms, metrics = {}, {}
+    for name, term in TERMS.items():
+        if term.is_on(cfg):
+            value, m = term.fn(inputs)
+            c = 1.0 if term.coef is None else inputs.coef(term.coef)
+            terms[name] = term.sign * c * value
+        else:
+            terms[name] = zero
+            m = term.monitor(inputs) if term.monitor is not None else {}
+        metrics.update(m)
+    metrics = {"pg_loss": jax.lax.stop_gradient(terms["pg"]), **metrics,
+               "response_tokens": jnp.sum(rm).astype(jnp.float32)}
     return terms, metrics
 
 
-def loss_from_stats(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig):
+def loss_from_stats(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, coef=None,
+                    key=None):
     """(loss float32[], metrics dict of float32[]) from per-token policy statistics.
 
     stats.logp / stats.entropy are at the sampling temperature (PG ratio,
     Policy-KL, entropy); stats.logp_t1 is at temperature 1 (Query-KL).
 
     metrics (all without gradient): loss; pg_loss (the weighted PG term);
-    policy_kl and query_kl (each term before its coefficient; policy_kl is 0
-    when Policy-KL is not in the loss; query_kl uses the loss estimator even
+    policy_kl and query_kl (each term before its coefficient; policy_kl is
+    measured in 'reward' mode too, and 0 when beta_policy is 0; query_kl uses the loss estimator even
     when beta_query is 0); query_kl_k1, query_kl_k3 (drift monitors);
     entropy (token mean over response tokens); clip_frac (response tokens
     where the ratio clip is active); ratio_mean/min/max over response tokens;
     approx_kl_old (k3 between the sampling and current policy); response_tokens;
-    dual_clip_frac when dual_clip is set.
+    dual_clip_frac when dual_clip is set; cov_selected_frac and cov_mean
+    under clip_cov / kl_cov; whatever else a registered term reports.
+    coef, key: as `loss_terms`.
     """
-    terms, metrics = loss_terms(stats, batch, cfg)
-    loss = terms["pg"] + terms["policy_kl"] + terms["query_kl"] + terms["entropy"]
+    terms, metrics = loss_terms(stats, batch, cfg, coef=coef, key=key)
+    loss = sum(terms.values())
     metrics = {"loss": jax.lax.stop_gradient(loss), **metrics}
     return loss, metrics
 

@@ -22,19 +22,21 @@ import jax
 import jax.numpy as jnp
 
 from erpo_jax.rl import advantages as adv_lib
+from erpo_jax.rl import estimators
 from erpo_jax.rl.kl import kl_penalized_rewards
 
 WHITEN_MODES = ("token", "response")
 
 
-def is_token_level(advantage: str, reinforce_pp_whiten: str = "token") -> bool:
-    """Whether estimator `advantage` works on per-token rewards and returns
-    per-token advantages float32[N, T-1] (else one advantage per response)."""
-    return advantage == "gae" or (advantage == "reinforce_pp" and reinforce_pp_whiten == "token")
+def is_token_level(algo) -> bool:
+    """Whether the estimator of `algo` (an AlgoSection) works on per-token
+    rewards and returns per-token advantages float32[N, T-1] (else one
+    advantage per response); its registered `level` says."""
+    return estimators.get(algo.advantage).token_level(algo)
 
 
 def shaped_advantages(rewards: jax.Array, response_mask: jax.Array, old_logp=None, ref_logp=None,
-                      *, loss_cfg, algo, group_size: int):
+                      *, loss_cfg, algo, group_size: int, beta=None):
     """(shaped, advantages) of one rollout.
 
     rewards: float32[R] task rewards (R = B * G, query-major);
@@ -43,28 +45,27 @@ def shaped_advantages(rewards: jax.Array, response_mask: jax.Array, old_logp=Non
       penalty is not in the reward.
     loss_cfg: LossConfig; algo: the run's AlgoSection (advantage, adv_eps,
       gamma, reinforce_pp_whiten).
+    beta: the penalty's coefficient when it is not loss_cfg.beta_policy (the
+      adaptive controller's current value, a float32[]).
     shaped: float32[R] (outcome estimators) or float32[R, T-1] (token level),
       the rewards the estimator saw. advantages: float32[R] or float32[R, T-1];
-      None for gae, whose advantages need the critic's values (`advantages.gae`
-      on `shaped`).
+      None for an estimator with a critic (gae), whose advantages need the
+      critic's values (`advantages.gae` on `shaped`).
     """
-    whiten = getattr(algo, "reinforce_pp_whiten", "token")
-    token = is_token_level(algo.advantage, whiten)
+    est = estimators.get(algo.advantage)
+    token = est.token_level(algo)
     m = response_mask.astype(bool)
     r = jnp.asarray(rewards, jnp.float32)
     if old_logp is not None:
-        shaped = kl_penalized_rewards(r, old_logp, ref_logp, m, loss_cfg.beta_policy,
+        shaped = kl_penalized_rewards(r, old_logp, ref_logp, m,
+                                      loss_cfg.beta_policy if beta is None else beta,
                                       loss_cfg.policy_kl_estimator, loss_cfg.kl_clamp,
                                       token_level=token)
     else:
         shaped = adv_lib.outcome_to_token_rewards(r, m) if token else r
-    if algo.advantage == "gae":
+    if est.needs_critic:
         return shaped, None
-    if token:
-        return shaped, adv_lib.reinforce_pp_tokens(shaped, m, gamma=algo.gamma, eps=algo.adv_eps)
-    kw = {"eps": algo.adv_eps} if algo.advantage in ("grpo", "reinforce_pp") else {}
-    adv = adv_lib.compute_advantages(algo.advantage, shaped.reshape(-1, group_size), **kw)
-    return shaped, adv.reshape(-1)
+    return shaped, est.advantages(shaped, m, algo, group_size)
 
 
 def per_response(shaped: jax.Array) -> jax.Array:

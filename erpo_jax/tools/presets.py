@@ -62,6 +62,48 @@ def arith_rl_config(method: str, sft_model: str, out_dir: str, steps: int = 60,
     )
 
 
+# ----------------------------------------------------------------------------- stabilizers
+
+# Clip-higher: DAPO's asymmetric clip (eps_low stays at 0.2).
+CLIP_HIGHER = ("loss.eps_high=0.28",)
+# DAPO's overlong buffer as a share of the response budget (its 4096 of 20480 tokens).
+DAPO_OVERLONG_SHARE = 0.2
+
+
+def dapo_overrides(max_new_tokens: int) -> tuple[str, ...]:
+    """DAPO: clip-higher, dynamic sampling and overlong shaping over the last
+    DAPO_OVERLONG_SHARE of `max_new_tokens` (token-mean is the default aggregation)."""
+    buffer = max(int(DAPO_OVERLONG_SHARE * max_new_tokens), 1)
+    return CLIP_HIGHER + ("algo.filter_groups=true", f"algo.overlong_buffer={buffer}")
+
+
+# The stability techniques ERPO is compared with (issue 35): technique ->
+# (the method it modifies, its fixed overrides, the field its tuning varies,
+# that field's default). `dapo` needs the run's max_new_tokens
+# (`stabilizer_overrides`).
+STABILIZERS = {
+    "adaptive_kl": ("grpo+policy_kl", (), "loss.kl_target", 0.01),
+    "clip_higher": ("no_kl", (), "loss.eps_high", 0.28),
+    "entropy_bonus": ("no_kl", (), "loss.entropy_coef", 1e-3),
+    "clip_cov": ("no_kl", ("loss.pg_loss=clip_cov",), "loss.clip_cov_ratio", 2e-4),
+    "kl_cov": ("no_kl", ("loss.pg_loss=kl_cov",), "loss.kl_cov_ratio", 2e-3),
+    "dapo": ("no_kl", ("dapo",), None, None),
+    "erpo+dapo": ("erpo", ("dapo",), None, None),
+}
+
+
+def stabilizer_overrides(name: str, max_new_tokens: int, value=None) -> tuple[str, tuple]:
+    """(base method, overrides) of technique `name`, its tuned field at `value`
+    (default the technique's default)."""
+    base, fixed, field, default = STABILIZERS[name]
+    out = []
+    for o in fixed:
+        out += dapo_overrides(max_new_tokens) if o == "dapo" else [o]
+    if field is not None:
+        out.append(f"{field}={default if value is None else value}")
+    return base, tuple(out)
+
+
 # ----------------------------------------------------------------------------- the slip testbed
 
 SFT_SLIP = 0.6       # the reference's demonstrations drop each carry or borrow this often

@@ -166,6 +166,14 @@ class AlgoSection:
     reinforce_pp_whiten: 'token' (REINFORCE++ as its paper, OpenRLHF and verl:
       returns-to-go whitened over all response tokens, unbiased variance) or
       'response' (a deviation: each response counted once, population std).
+    filter_groups: DAPO's dynamic sampling (rl/dynamic_sampling.py): drop
+      the groups whose rewards do not vary and sample further batches of
+      prompts until train.batch_size groups vary.
+    filter_max_batches: the most batches of prompts dynamic sampling draws in
+      a step, the first included (then the batch is filled with flat groups).
+    overlong_buffer, overlong_penalty: DAPO's overlong shaping (rl/overlong.py):
+      a penalty growing linearly to -overlong_penalty over the last
+      overlong_buffer tokens before rollout.max_new_tokens; 0 = off.
     """
 
     method: str = "custom"
@@ -180,6 +188,10 @@ class AlgoSection:
     weight_min: float = W_MIN
     weight_max: float = W_MAX
     reinforce_pp_whiten: str = "token"
+    filter_groups: bool = False
+    filter_max_batches: int = 4
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +405,7 @@ def _validate_ranges(cfg: RunConfig) -> None:
 def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     """Raise ValueError naming the field for anything wrong; returns cfg with its
     method resolved (`methods.resolve_method`): use the returned config."""
-    from erpo_jax.rl.advantages import ESTIMATORS
+    from erpo_jax.rl.estimators import ESTIMATORS
     from erpo_jax.train.methods import resolve_method
     cfg = resolve_method(cfg)
     from erpo_jax.rl.shaping import WHITEN_MODES
@@ -461,9 +473,22 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
               f"({r.max_new_tokens}).")
     if a.advantage not in ESTIMATORS:
         _fail("algo.advantage", f"is {a.advantage!r}; choose one of {sorted(ESTIMATORS)}.")
-    if a.advantage in ("grpo", "rloo", "reinforce") and r.group_size < 2:
+    est = ESTIMATORS[a.advantage]
+    if r.group_size < est.min_group:
         _fail("rollout.group_size", f"is {r.group_size}, but algo.advantage={a.advantage!r} "
-              "needs a group of at least 2 responses per query.")
+              f"needs a group of at least {est.min_group} responses per query.")
+    if a.filter_groups and r.group_size < 2:
+        _fail("algo.filter_groups", f"drops groups whose rewards do not vary, but "
+              f"rollout.group_size={r.group_size} makes every group one response; set "
+              "rollout.group_size >= 2 or algo.filter_groups=false.")
+    if a.filter_max_batches < 1:
+        _fail("algo.filter_max_batches", f"must be >= 1 (batches of prompts drawn per step, "
+              f"the first included), got {a.filter_max_batches}.")
+    if not 0 <= a.overlong_buffer <= r.max_new_tokens:
+        _fail("algo.overlong_buffer", f"must be in [0, rollout.max_new_tokens="
+              f"{r.max_new_tokens}] (0 = off), got {a.overlong_buffer}.")
+    if a.overlong_penalty < 0:
+        _fail("algo.overlong_penalty", f"must be >= 0, got {a.overlong_penalty}.")
     if a.reinforce_pp_whiten not in WHITEN_MODES:
         _fail("algo.reinforce_pp_whiten", f"is {a.reinforce_pp_whiten!r}; choose one of "
               f"{WHITEN_MODES}.")

@@ -176,12 +176,14 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
         ref_logp = np.asarray(jax.device_get(ref_fn(
             ref_params, jnp.asarray(batch.tokens), jnp.asarray(batch.attn_mask),
             last=ro.response_tokens.shape[1])), np.float32)
-    shaping = lc.beta_policy > 0 and lc.policy_kl_mode == "reward"
+    from erpo_jax.rl.recipe import recipe
+    rec = recipe(cfg)
+    shaping = rec.shapes_rewards
     shaped, adv = shaped_advantages(
         jnp.asarray(rewards), jnp.asarray(batch.response_mask),
         jnp.asarray(batch.old_logp) if shaping else None,
         jnp.asarray(ref_logp) if shaping else None, loss_cfg=lc, algo=a, group_size=G)
-    if adv is None:   # GAE with the trainer's step-0 critic: a zero value head
+    if adv is None:   # a critic estimator (GAE) with the trainer's step-0 critic: a zero value head
         zeros = jnp.zeros(batch.response_mask.shape, jnp.float32)
         adv, _ = gae(shaped, zeros, jnp.asarray(batch.response_mask), gamma=a.gamma, lam=a.lam,
                      whiten=True)
@@ -209,11 +211,12 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
                    + (f", KL-shaped mean {float(np.mean(per_response(shaped))):.4g}"
                       if shaping else "")
                    + f"; advantages {a.advantage}" + (" (critic values 0, as at step 0)"
-                                                      if a.advantage == "gae" else ""),
+                                                      if rec.needs_critic else ""),
         "old logp": "from the sampler (no synthetic noise)",
         "weights": f"{a.weight_scheme}, this batch's queries: "
                    + ", ".join(f"{x:.3f}" for x in w),
-        "loss": f"agg {lc.agg_mode}, clip [{1 - lc.eps_low:g}, {1 + lc.eps_high:g}], "
+        "loss": f"terms on: {', '.join(rec.terms)}; pg_loss {lc.pg_loss}, "
+                f"agg {lc.agg_mode}, clip [{1 - lc.eps_low:g}, {1 + lc.eps_high:g}], "
                 f"kl_clamp {lc.kl_clamp}, "
                 + (f"Policy-KL {lc.policy_kl_estimator} in the {lc.policy_kl_mode}, "
                    if lc.beta_policy > 0 or unit else "Policy-KL off, ")

@@ -25,6 +25,8 @@ from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import advantages as adv_lib
 from erpo_jax.rl import critic as critic_lib
+from erpo_jax.rl import dynamic_sampling
+from erpo_jax.rl.overlong import overlong_penalty
 from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_batch
 from erpo_jax.rl.query_kl import query_kl
@@ -138,6 +140,7 @@ class Trainer:
 
         self.programs = progs = Programs(cfg, self.model_cfg, self.sharding,
                                          self.tokenizer.eos_ids, self.tokenizer.pad_id)
+        self.recipe = progs.recipe
         if progs.query_group_note and self.primary:
             print(f"[erpo] {progs.query_group_note}; each response row runs its own query.",
                   flush=True)
@@ -180,7 +183,7 @@ class Trainer:
                       f"{self.model_cfg.compute_dtype}): " + ", ".join(
                           f"{k} {v:.3g}" for k, v in self.drift_floor.items()), flush=True)
         # The reference weights stay in memory only if a per-step term needs them.
-        need_ref = lc.needs_ref_logp or t.policy_kl_metric
+        need_ref = self.recipe.needs_ref_logp or t.policy_kl_metric
         # Distinct buffers (the policy's are donated to the update): one jitted
         # copy of the tree, not an eager op per leaf shape that would each compile.
         self.ref_params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p),
@@ -249,9 +252,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
+    def _draw_at(self, step: int) -> int:
+        """The iterator position of step `step`'s first batch of prompts: the
+        step itself, or with dynamic sampling (which draws a varying number of
+        batches a step) the iterator's position, which the checkpoint holds."""
+        return self.iterator.step if self.recipe.filter_groups else step
+
     def _prompts_at(self, step: int) -> list:
-        """Token ids of step `step`'s training prompts (the iterator is not moved)."""
-        return [self.task.train_prompts[i] for i in self.iterator.batch_at(step)]
+        """Token ids of step `step`'s (first) training prompts (the iterator is not moved)."""
+        return [self.task.train_prompts[i] for i in self.iterator.batch_at(self._draw_at(step))]
 
     def update_arguments(self, step: int):
         """Abstract (state, mini-batch, critic batch) of step `step`'s update
@@ -293,7 +302,7 @@ class Trainer:
         jobs = [("rollout", lambda: self.sampler.compile_sample(
             state.params, prompts, self.cfg.rollout.max_prompts_per_call))]
         T = batch.tokens.shape[1]
-        if self.cfg.loss.needs_ref_logp:
+        if self.recipe.needs_ref_logp:
             jobs.append(("reference forward",
                          lambda: self.programs.lower_reference_forward(state.params, T).compile()))
         jobs.append(("advantages", lambda: self.programs.lower_advantages(T).compile()))
@@ -325,44 +334,101 @@ class Trainer:
         self._compiling.join()
         self._compiling = None
 
+    def _sample(self, idx, key):
+        prompts = [self.task.train_prompts[i] for i in idx]
+        return sample(self.sampler, self.state.params, prompts, key,
+                      self.cfg.rollout.max_prompts_per_call)
+
+    def _score(self, ro, idx):
+        """(task rewards float32[R], reasons) of rollout `ro` of prompts `idx`."""
+        texts = self.tokenizer.decode_responses(ro.response_tokens, ro.response_mask)
+        golds = [self.task.train[i].answer for i in idx for _ in range(self.G)]
+        rewards, reasons = self.task.reward_fn(texts, golds)
+        return np.asarray(rewards, np.float32), list(reasons)
+
+    def _filtered_rollouts(self, step: int, first_idx, times: dict):
+        """Dynamic sampling (algo.filter_groups, rl/dynamic_sampling.py):
+        (rollout, prompt indices, task rewards, reasons, info) of the B groups
+        kept out of up to algo.filter_max_batches batches of prompts."""
+        a, G, first = self.cfg.algo, self.G, self._draw_at(step)
+        key = rollout_key(self._rollout_seed, step)
+        pool = []
+        times["time/rollout"] = times["time/reward"] = 0.0
+        while True:
+            idx = first_idx if not pool else self.iterator.batch_at(first + len(pool))
+            t0 = time.perf_counter()
+            # The first batch keeps the step's key (what a run without filtering draws).
+            ro = self._sample(idx, key if not pool else jax.random.fold_in(key, len(pool)))
+            t1 = time.perf_counter()
+            pool.append((ro, np.asarray(idx), *self._score(ro, idx)))
+            times["time/rollout"] += t1 - t0
+            times["time/reward"] += time.perf_counter() - t1
+            varied = [dynamic_sampling.varied_groups(p[2], G) for p in pool]
+            if sum(int(v.sum()) for v in varied) >= self.B or len(pool) >= a.filter_max_batches:
+                break
+        self.iterator.step = first + len(pool)
+        chosen, short = dynamic_sampling.choose_groups(varied, self.B)
+        ro = dynamic_sampling.select([p[0] for p in pool], chosen, G, self.tokenizer.pad_id)
+        rows = lambda g: slice(g * G, (g + 1) * G)
+        info = {"rollout/prompts_sampled": float(len(pool) * self.B),
+                "accuracy": float(np.mean(np.concatenate([p[2] for p in pool]) == 1.0)),
+                "filter/batches": float(len(pool)),
+                "filter/varied_groups": float(sum(int(v.sum()) for v in varied)),
+                "filter/short": float(short)}
+        return (ro, np.asarray([pool[d][1][g] for d, g in chosen]),
+                np.concatenate([pool[d][2][rows(g)] for d, g in chosen]),
+                [x for d, g in chosen for x in pool[d][3][rows(g)]], info)
+
     def _rl_batch(self, step: int):
         self._wait_for_compile(everything=False)
         cfg, G = self.cfg, self.G
         ahead = self._next_indices
-        idx = ahead[1] if ahead is not None and ahead[0] == step else self.iterator.batch_at(step)
-        self.iterator.step = step + 1
-        prompts = [self.task.train_prompts[i] for i in idx]
-        times = {}
-        t0 = time.perf_counter()
-        ro = sample(self.sampler, self.state.params, prompts,
-                    rollout_key(self._rollout_seed, step),
-                    cfg.rollout.max_prompts_per_call)
-        times["time/rollout"] = time.perf_counter() - t0
+        idx = (ahead[1] if ahead is not None and ahead[0] == step
+               else self.iterator.batch_at(self._draw_at(step)))
+        times, scored = {}, None
+        if self.recipe.filter_groups:
+            ro, idx, *scored, sample_info = self._filtered_rollouts(step, idx, times)
+        else:
+            self.iterator.step = step + 1
+            t0 = time.perf_counter()
+            ro = self._sample(idx, rollout_key(self._rollout_seed, step))
+            times["time/rollout"] = time.perf_counter() - t0
+            sample_info = {"rollout/prompts_sampled": float(self.B)}
         engine_stats = {f"rollout/{k}": v for k, v in self.sampler.last_stats.items()}
         batch = rollout_to_batch(ro, np.zeros(ro.response_tokens.shape[0], np.float32), idx,
                                  self.ref_cache, self.weights, G)
         lc, a = cfg.loss, cfg.algo
         t0 = time.perf_counter()
         ref_logp = None
-        if lc.needs_ref_logp:   # dispatched before the rewards and read after them: they overlap
+        if self.recipe.needs_ref_logp:
             ref_logp = self.ref_logp_fn(self.ref_params,
                                         *_put((batch.tokens, batch.attn_mask), self.sharding),
                                         last=ro.response_tokens.shape[1])
             self.ref_forward_calls += 1
         times["time/ref"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        texts = self.tokenizer.decode_responses(ro.response_tokens, ro.response_mask)
-        golds = [self.task.train[i].answer for i in idx for _ in range(G)]
-        rewards, reasons = self.task.reward_fn(texts, golds)
-        times["time/reward"] = time.perf_counter() - t0
+        if scored is None:   # scored while the reference forward runs
+            t0 = time.perf_counter()
+            scored = self._score(ro, idx)
+            times["time/reward"] = time.perf_counter() - t0
+            sample_info["accuracy"] = float(np.mean(scored[0] == 1.0))
+        task_rewards, reasons = scored
+        rewards = task_rewards
+        if self.recipe.overlong_buffer:
+            penalty = overlong_penalty(ro.lengths, cfg.rollout.max_new_tokens,
+                                       cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
+            rewards = task_rewards + penalty
+            sample_info["reward/overlong_penalty_mean"] = float(np.mean(penalty))
         t0 = time.perf_counter()
         if ref_logp is not None:
             ref_logp = to_host(ref_logp)
         times["time/ref"] += time.perf_counter() - t0
         token = (batch.old_logp, ref_logp) if self._shapes_rewards else (None, None)
-        shaped, adv = self.advantages_fn(rewards.astype(np.float32), batch.response_mask, *token)
+        beta = (self.state.kl_coef if self.recipe.adaptive_kl and self._shapes_rewards
+                else None)
+        shaped, adv = self.advantages_fn(rewards.astype(np.float32), batch.response_mask, *token,
+                                         beta)
         critic_batch = None
-        if adv_lib.needs_critic(a.advantage):
+        if self.recipe.needs_critic:
             vals = to_host(self.values_fn(
                 self.state.critic, *_put((batch.tokens, batch.attn_mask), self.sharding)))
             adv, returns = adv_lib.gae(shaped, jnp.asarray(vals), jnp.asarray(batch.response_mask),
@@ -373,12 +439,13 @@ class Trainer:
         validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss,
                        response_width=cfg.rollout.max_new_tokens,
                        group_size=self.programs.query_group)
-        r = rewards.reshape(self.B, G)
+        r = task_rewards.reshape(self.B, G)
         a_abs = np.abs(batch.advantages)   # per response, or per token (GAE)
         info = {
+            **sample_info,
             "advantage_abs_mean": float(a_abs.mean() if a_abs.ndim == 1
                                         else a_abs[batch.response_mask].mean()),
-            "reward_mean": float(np.mean(rewards)), "accuracy": float(np.mean(rewards == 1.0)),
+            "reward_mean": float(np.mean(rewards)),
             "response_len_mean": float(np.mean(ro.lengths)),
             "response_len_max": float(np.max(ro.lengths)),
             "truncated_frac": float(np.mean(ro.truncated)),
@@ -407,7 +474,7 @@ class Trainer:
                 self.state, m = self.update(self.state, mb, cb)
                 metrics.append(m)
         # While the updates run: the next step's prompt indices (host work).
-        self._next_indices = (step + 1, self.iterator.batch_at(step + 1))
+        self._next_indices = (step + 1, self.iterator.batch_at(self._draw_at(step + 1)))
         host = jax.device_get(metrics)   # every number of the step in one transfer
         counters = host[-1]
         self.nonfinite_in_a_row = int(counters["nonfinite_in_a_row"])
@@ -548,7 +615,8 @@ class Trainer:
         return str(out)
 
     def _save(self, step: int, force: bool = False) -> None:
-        self.iterator.step = step
+        if not self.recipe.filter_groups:   # else the iterator's position is the draws made
+            self.iterator.step = step
         meta = {"step": step, "seed_key": ckpt_lib.key_to_list(self.seed_key),
                 "data": self.iterator.get_state()}
         try:

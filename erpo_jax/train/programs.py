@@ -27,11 +27,11 @@ from erpo_jax.runtime import xla_options
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding
-from erpo_jax.rl import advantages as adv_lib
 from erpo_jax.rl import critic as critic_lib
 from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch
-from erpo_jax.rl.shaping import is_token_level, shaped_advantages
+from erpo_jax.rl.recipe import recipe
+from erpo_jax.rl.shaping import shaped_advantages
 from erpo_jax.rollout.engine import make_engine
 from erpo_jax.rollout.sampler import SamplingConfig
 from erpo_jax.train import train_step as step_lib
@@ -90,11 +90,12 @@ class Programs:
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, sharding: Sharding | None,
                  eos_ids: Sequence[int], pad_id: int):
         self.cfg, self.model_cfg, self.sharding = cfg, model_cfg, sharding
+        self.recipe = rec = recipe(cfg)
         o, a, lc, r, t = cfg.optim, cfg.algo, cfg.loss, cfg.rollout, cfg.train
         self.G, self.B = r.group_size, t.batch_size
         total = t.steps * o.epochs * o.num_minibatches
         self.tx, self.schedule = step_lib.make_optimizer(o, total)
-        self.has_critic = adv_lib.needs_critic(a.advantage)
+        self.has_critic = rec.needs_critic
         self.critic_tx = (step_lib.make_optimizer(o, total, lr=a.critic_lr)[0]
                           if self.has_critic else None)
         self.state_shardings = (None if sharding is None else
@@ -105,7 +106,7 @@ class Programs:
             model_cfg, lc, a, self.tx, self.critic_tx, micro_batches=o.micro_batches,
             group_size=self.G, temperature=r.temperature, chunk_size=chunk, sharding=sharding,
             state_shardings=self.state_shardings, schedule=self.schedule,
-            response_width=r.max_new_tokens, share_query=self.query_group > 1)
+            response_width=r.max_new_tokens, share_query=self.query_group > 1, seed=t.seed)
         self.sampler = rollout_engine(cfg, model_cfg, rollout_sampling(cfg, eos_ids, pad_id),
                                       sharding)
         self.eval_greedy, self.eval_sampled = eval_samplers(model_cfg, cfg, eos_ids, pad_id,
@@ -115,7 +116,7 @@ class Programs:
                                                     group_size=self.query_group)
         self.t1_logp_fn = step_lib.make_logprob_fn(model_cfg, 1.0, chunk, sharding)
         self.ref_pass_fn = ref_lib.make_pass_fn(model_cfg, chunk, sharding)
-        self.shapes_rewards = lc.beta_policy > 0 and lc.policy_kl_mode == "reward"
+        self.shapes_rewards = rec.shapes_rewards
         self.advantages_fn = self._make_advantages_fn()
         self.values_fn = None
         if self.has_critic:
@@ -170,7 +171,8 @@ class Programs:
         return step_lib.TrainState(
             step=z, params=params, opt_state=self.tx.init(params), critic=critic,
             critic_opt=None if critic is None else self.critic_tx.init(critic),
-            nonfinite=z, skipped=z)
+            nonfinite=z, skipped=z,
+            kl_coef=None if self._kl_coef0() is None else jnp.zeros((), jnp.float32))
 
     def _abstract_state_sharded(self, params, critic):
         shapes = jax.eval_shape(self._state_from, params, critic)
@@ -186,12 +188,17 @@ class Programs:
             critic=critic,
             critic_opt=None if critic is None else opt_like(shapes.critic_opt, self.critic_tx,
                                                             critic),
-            nonfinite=_abstract(shapes.nonfinite, rep), skipped=_abstract(shapes.skipped, rep))
+            nonfinite=_abstract(shapes.nonfinite, rep), skipped=_abstract(shapes.skipped, rep),
+            kl_coef=None if shapes.kl_coef is None else _abstract(shapes.kl_coef, rep))
 
     def init_state(self, params, critic=None) -> step_lib.TrainState:
         """A fresh state for loaded parameters, committed to `state_shardings`."""
         return step_lib.init_state(params, self.tx, critic, self.critic_tx, self.sharding,
-                                   shardings=self.state_shardings)
+                                   shardings=self.state_shardings, kl_coef=self._kl_coef0())
+
+    def _kl_coef0(self) -> float | None:
+        """The adaptive Policy-KL coefficient's start (None: not adaptive)."""
+        return self.cfg.loss.beta_policy if self.recipe.adaptive_kl else None
 
     # ------------------------------------------------------------------ shapes
 
@@ -207,14 +214,13 @@ class Programs:
         rows = self.B // o.num_minibatches * self.G
         arg = lambda dtype, *shape: self._rows(rows, *shape, dtype=dtype)
         f32, tok = lambda: arg(jnp.float32, T - 1), lambda: arg(jnp.bool_, T - 1)
-        a = self.cfg.algo
-        per_token = is_token_level(a.advantage, a.reinforce_pp_whiten)
+        per_token = self.recipe.token_level
         batch = RLBatch(
             tokens=arg(jnp.int32, T), attn_mask=arg(jnp.bool_, T), query_mask=tok(),
             response_mask=tok(), old_logp=f32(),
             advantages=f32() if per_token else arg(jnp.float32),
             ref_query_logp=f32(), query_weight=arg(jnp.float32), group_id=arg(jnp.int32),
-            ref_logp=f32() if self.cfg.loss.needs_ref_logp else None)
+            ref_logp=f32() if self.recipe.needs_ref_logp else None)
         critic = step_lib.CriticBatch(f32(), f32()) if self.has_critic else None
         state = jax.tree_util.tree_map(lambda a: _abstract(a, getattr(a, "sharding", None)),
                                        state)
@@ -231,7 +237,15 @@ class Programs:
         logp = jax.ShapeDtypeStruct((R, T - 1), jnp.float32)
         token = (logp, logp) if self.shapes_rewards else (None, None)
         return self.advantages_fn.lower(jax.ShapeDtypeStruct((R,), jnp.float32),
-                                        jax.ShapeDtypeStruct((R, T - 1), jnp.bool_), *token)
+                                        jax.ShapeDtypeStruct((R, T - 1), jnp.bool_), *token,
+                                        self._beta_arg())
+
+    def _beta_arg(self):
+        """The shaping's coefficient argument: the state's kl_coef (float32[])
+        when it is adaptive and in the reward, else None."""
+        rec = self.recipe
+        return (jax.ShapeDtypeStruct((), jnp.float32)
+                if rec.adaptive_kl and rec.shapes_rewards else None)
 
     def planned(self) -> list[Program]:
         """Every per-step program at its largest shapes: prompts at
@@ -245,7 +259,7 @@ class Programs:
         Bp, P = self.sampler.batch_shape(per_call, P_max)
         T = P + N
         out = self._engine_programs("rollout", self.sampler, params, per_call, P_max)
-        if cfg.loss.needs_ref_logp:
+        if self.recipe.needs_ref_logp:
             out.append(Program("reference forward", f"{B * G} rows x {T} tokens",
                                lambda: self.lower_reference_forward(params, T), B * G, B * G * T))
         rows = B // cfg.optim.num_minibatches * G
@@ -293,11 +307,12 @@ class Programs:
         Policy-KL reward shaping (policy_kl_mode 'reward'; old_logp and ref_logp
         are None otherwise) and the estimator, as one program that compiles
         ahead rather than as a dozen eager ops that would each compile in the
-        first step."""
+        first step. beta: the adaptive coefficient (TrainState.kl_coef) when
+        the penalty in the reward is adaptive, else None."""
         lc, a, G = self.cfg.loss, self.cfg.algo, self.G
 
-        def advantages_fn(rewards, response_mask, old_logp, ref_logp):
+        def advantages_fn(rewards, response_mask, old_logp, ref_logp, beta=None):
             return shaped_advantages(rewards, response_mask, old_logp, ref_logp, loss_cfg=lc,
-                                     algo=a, group_size=G)
+                                     algo=a, group_size=G, beta=beta)
 
         return jax.jit(advantages_fn, compiler_options=xla_options.for_steps())

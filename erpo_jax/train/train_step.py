@@ -30,14 +30,18 @@ from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import critic as critic_lib
+from erpo_jax.rl import kl_control
 from erpo_jax.rl.batch import RLBatch
 from erpo_jax.rl.loss import LossConfig, loss_terms
+from erpo_jax.rl.terms import TERMS
 from erpo_jax.train.config import AlgoSection, OptimSection
 
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything an update changes. critic / critic_opt are None unless PPO."""
+    """Everything an update changes. critic / critic_opt are None unless PPO;
+    kl_coef is None unless the Policy-KL coefficient is adaptive
+    (`loss.kl_target`, rl/kl_control.py)."""
 
     step: jax.Array  # int32[] optimizer updates applied so far
     params: Any
@@ -46,6 +50,7 @@ class TrainState:
     critic_opt: Any = None
     nonfinite: jax.Array = None  # int32[] consecutive skipped updates
     skipped: jax.Array = None  # int32[] skipped updates in total
+    kl_coef: jax.Array = None  # float32[] the adaptive Policy-KL coefficient
 
 
 def make_optimizer(o: OptimSection, total_updates: int, lr: float | None = None):
@@ -67,12 +72,14 @@ def make_optimizer(o: OptimSection, total_updates: int, lr: float | None = None)
 
 
 def init_state(params, tx, critic_params=None, critic_tx=None,
-               sharding: Sharding | None = None, shardings=None) -> TrainState:
+               sharding: Sharding | None = None, shardings=None,
+               kl_coef: float | None = None) -> TrainState:
     """A fresh state; optimizer moments are created by a jitted init, so they
     inherit the parameters' shardings (nothing is built unsharded). Counters
     are replicated over the mesh of `sharding`. shardings: the TrainState's
     shardings to commit to (`Programs.state_shardings`, what the update's
-    program was built for); default: where the leaves were made."""
+    program was built for); default: where the leaves were made. kl_coef:
+    the adaptive Policy-KL coefficient's initial value (None: not adaptive)."""
     where = sharding.replicated() if sharding is not None else None
     # Distinct buffers (the state is donated), placed with the parameters.
     zero = lambda: jax.device_put(np.zeros((), np.int32), where)
@@ -90,7 +97,8 @@ def init_state(params, tx, critic_params=None, critic_tx=None,
         step=zero(), params=params, opt_state=init_opt(tx, params),
         critic=critic_params,
         critic_opt=None if critic_params is None else init_opt(critic_tx, critic_params),
-        nonfinite=zero(), skipped=zero())
+        nonfinite=zero(), skipped=zero(),
+        kl_coef=None if kl_coef is None else jax.device_put(np.float32(kl_coef), where))
     # Commit every leaf to its sharding now, so the first update compiles once
     # (its outputs carry these shardings; uncommitted inputs would retrace).
     return jax.device_put(state, shardings_of(state) if shardings is None else shardings)
@@ -104,8 +112,9 @@ class CriticBatch:
     returns: jax.Array
 
 
-def _term_counts(batch: RLBatch, loss_cfg: LossConfig):
-    """The normaliser of each loss term for this (micro-)batch, float32[]."""
+def _normaliser_counts(batch: RLBatch, loss_cfg: LossConfig):
+    """{normaliser: float32[]} for this (micro-)batch: 'response', what the
+    aggregation mode divides by; 'query', the distinct queries."""
     rm = batch.response_mask.astype(bool)
     if loss_cfg.agg_mode == "token_mean":
         resp = jnp.sum(rm)
@@ -116,8 +125,13 @@ def _term_counts(batch: RLBatch, loss_cfg: LossConfig):
     has_q = jnp.any(batch.query_mask, axis=-1).astype(jnp.float32)
     queries = jax.ops.segment_max(has_q, batch.group_id, num_segments=rm.shape[0])
     queries = jnp.sum(jnp.maximum(queries, 0.0))
-    resp = resp.astype(jnp.float32)
-    return {"pg": resp, "policy_kl": resp, "entropy": resp, "query_kl": queries}
+    return {"response": resp.astype(jnp.float32), "query": queries}
+
+
+def _term_counts(batch: RLBatch, loss_cfg: LossConfig):
+    """The normaliser of each registered loss term for this (micro-)batch, float32[]."""
+    counts = _normaliser_counts(batch, loss_cfg)
+    return {name: counts[term.normaliser] for name, term in TERMS.items()}
 
 
 def _finite(tree) -> jax.Array:
@@ -139,7 +153,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                  temperature: float = 1.0, chunk_size: int | None = 512,
                  sharding: Sharding | None = None, state_shardings=None,
                  nan_injector=None, schedule=None, response_width: int | None = None,
-                 share_query: bool = False):
+                 share_query: bool = False, seed: int = 0):
     """The jitted `update(state, batch, critic_batch) -> (state, metrics)`.
 
     batch: RLBatch of N rows (whole groups of `group_size`, query-major);
@@ -157,6 +171,12 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
       model once per micro-batch instead of once per row
       (`token_logprobs(group_size=group_size)`): every batch's groups must
       repeat their query (`validate_batch(..., group_size=G)` checks it).
+    seed: the run's seed, for a loss that draws (loss.pg_loss='clip_cov'):
+      micro-batch j of the update at optimizer step s draws with
+      fold_in(fold_in(key(seed), s), j), so a resumed run draws the same.
+    With `loss.kl_target` the state's kl_coef is the Policy-KL coefficient
+    and is adapted after the update (rl/kl_control.py); metrics `kl_coef`
+    (the value this update used) and `kl_coef_next`.
     """
     if share_query and response_width is None:
         raise ValueError("build_update: share_query needs response_width (the query is the "
@@ -169,12 +189,14 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
     like_params = ((lambda g: g) if param_sh is None
                    else (lambda g: jax.lax.with_sharding_constraint(g, param_sh)))
 
-    def micro_loss(params, mb: RLBatch, shares):
+    adaptive, draws = loss_cfg.adaptive_kl, loss_cfg.needs_key
+
+    def micro_loss(params, mb: RLBatch, shares, coef, key):
         stats = token_logprobs(params, model_cfg, mb.tokens, mb.attn_mask,
                                temperature=temperature, chunk_size=chunk_size,
                                sharding=sharding, response_columns=response_width,
                                group_size=query_group)
-        terms, metrics = loss_terms(stats, mb, loss_cfg)
+        terms, metrics = loss_terms(stats, mb, loss_cfg, coef=coef, key=key)
         loss = sum(shares[k] * terms[k] for k in terms)
         return loss, (terms, metrics)
 
@@ -197,12 +219,15 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
         counts = jax.vmap(lambda b: _term_counts(b, loss_cfg))(micro)
         totals = {k: jnp.maximum(jnp.sum(v), 1.0) for k, v in counts.items()}
         cb = _split_micro(critic_batch, n_micro) if critic_batch is not None else None
+        coef = {"beta_policy": state.kl_coef} if adaptive else None
+        step_key = (jax.random.fold_in(jax.random.key(seed), state.step) if draws else None)
 
         def body(acc, xs):
-            mb, cnt, cmb = xs
+            mb, cnt, cmb, j = xs
             shares = {k: cnt[k] / totals[k] for k in cnt}
+            key = None if step_key is None else jax.random.fold_in(step_key, j)
             (loss, (terms, metrics)), g = jax.value_and_grad(micro_loss, has_aux=True)(
-                compute_params, mb, shares)
+                compute_params, mb, shares, coef, key)
             g = like_params(g)
             grads = jax.tree_util.tree_map(jnp.add, acc["grads"], g)
             out = {"grads": grads, "loss": acc["loss"] + loss}
@@ -220,7 +245,8 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                 "loss": jnp.zeros((), jnp.float32)}
         if critic_batch is not None:
             acc0["critic_grads"] = jax.tree_util.tree_map(jnp.zeros_like, state.critic)
-        acc, (metrics, terms) = jax.lax.scan(body, acc0, (micro, counts, cb))
+        acc, (metrics, terms) = jax.lax.scan(body, acc0, (micro, counts, cb,
+                                                          jnp.arange(n_micro)))
         grads = acc["grads"]
         if nan_injector is not None:
             grads = nan_injector(grads)
@@ -243,13 +269,19 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
             out_metrics["critic_grad_norm"] = optax.tree.norm(cgrads)
         out_metrics.update(loss=acc["loss"], grad_norm=grad_norm,
                            update_skipped=(~ok).astype(jnp.float32))
+        kl_coef = state.kl_coef
+        if adaptive:   # the update's Policy-KL, each micro-batch by its share of the tokens
+            kl = jnp.sum(metrics["policy_kl"] * counts["policy_kl"] / totals["policy_kl"])
+            nxt = kl_control.adapt(state.kl_coef, kl, N, loss_cfg.kl_target, loss_cfg.kl_horizon)
+            kl_coef = jnp.where(ok, nxt, state.kl_coef)
+            out_metrics.update(kl_coef=state.kl_coef, kl_coef_next=kl_coef)
         if schedule is not None:   # optax counts applied updates as state.step does
             out_metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         new_state = TrainState(
             step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state,
             critic=critic, critic_opt=critic_opt,
             nonfinite=jnp.where(ok, 0, state.nonfinite + 1),
-            skipped=state.skipped + (~ok).astype(jnp.int32))
+            skipped=state.skipped + (~ok).astype(jnp.int32), kl_coef=kl_coef)
         out_metrics.update(skipped_total=new_state.skipped, nonfinite_in_a_row=new_state.nonfinite)
         if state_shardings is not None:
             new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
