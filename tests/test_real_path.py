@@ -271,3 +271,31 @@ def test_continuous_engine_equals_static_on_the_chat_checkpoint(real_path):
         got = ContinuousEngine(cfg, sc, slots=slots).sample(params, prompts, key)
         assert_same_samples(want, got, f"slots={slots}")
     assert real_path["runs"]["erpo"]["metrics"][-1]["rollout/slot_utilization"] > 0
+
+
+def test_the_stability_techniques_run_on_the_real_path(real_path):
+    """ERPO + DAPO (clip-higher, dynamic sampling, overlong shaping) with the
+    adaptive Policy-KL controller and KL-Cov, on the chat checkpoint, the
+    continuous engine and math-verify rewards (issue 35)."""
+    root = real_path["root"]
+    run = root / "stabilizers"
+    summary = _cli_json(["train", *_common(root, real_path["sft"]), "model.init=sft",
+                         f"train.out_dir={run}", f"train.ref_cache_dir={root / 'refcache'}",
+                         "train.steps=2", "train.batch_size=8", "rollout.group_size=8",
+                         "optim.lr=1e-4", "optim.num_minibatches=2", "train.drift_every=0",
+                         "algo.method=custom", "loss.beta_query=0.1",
+                         "algo.weight_scheme=likelihood", "loss.beta_policy=0.02",
+                         "loss.kl_target=0.001", "loss.kl_horizon=64", "loss.pg_loss=kl_cov",
+                         "loss.kl_cov_ratio=0.01", "loss.eps_high=0.28",
+                         "algo.filter_groups=true", "algo.filter_max_batches=2",
+                         "algo.overlong_buffer=8"])
+    assert summary["status"] == "done" and summary["ref_forward_calls"] == 2
+    m = _rows(run / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2]
+    for x in m:
+        assert x["rollout/prompts_sampled"] == 8 * x["filter/batches"]
+        assert x["reward/overlong_penalty_mean"] <= 0 and x["kl_coef"] > 0
+        assert x["term_query_kl"] > 0 and x["cov_selected_frac"] > 0
+    assert m[0]["kl_coef"] != m[1]["kl_coef"]
+    from erpo_jax.train.config import load_config, resolved_engine
+    assert resolved_engine(load_config(str(run / "config.json"))) == "continuous"
