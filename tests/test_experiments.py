@@ -405,3 +405,67 @@ def test_sweep_runs_skips_flags_stale_and_reports(tmp_path, capsys, monkeypatch)
     assert sweep_lib.main(args + ["--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "STALE tiny_exp/erpo/seed0: train.steps: 2 in the run dir, 3 now" in out
+
+
+def test_the_stability_grid_changes_only_lr_temperature_and_the_stress_evaluation():
+    """slip_grid.py: the main comparison's runs at each (lr, T) it does not reuse,
+    evaluated as slip_stress.py is; the reused cells are those experiments' settings."""
+    grid, main = _mod("slip_grid"), sweep_lib.variants(_mod("slip_testbed"), True)
+    table = sweep_lib.variants(grid, True)
+    cells = {(lr, t) for lr in grid.LRS for t in grid.TEMPERATURES}
+    assert len(table) == 3 * (len(cells) - len(grid.REUSED)) == 15   # x 3 seeds: 45 runs
+    for (lr, t), exp in grid.REUSED.items():
+        for cfg in sweep_lib.variants(_mod(exp), True).values():
+            if cfg.name.split("-")[0] in METHODS:
+                assert (cfg.optim.lr, cfg.rollout.temperature) == (lr, t), exp
+    eval_fields = {"train.eval_every", "train.eval_n", "train.eval_k"}
+    for (lr, t) in cells - set(grid.REUSED):
+        for m in METHODS:
+            cfg = table[grid.cell_name(m, lr, t)]
+            validate(cfg, _devices(cfg))
+            want = eval_fields | ({"optim.lr"} if lr != main[m].optim.lr else set()) | (
+                {"rollout.temperature"} if t != 1.0 else set())
+            assert _changed(cfg, main[m]) == want, (m, lr, t)
+            assert cfg.train.eval_every == 20 and cfg.train.eval_n == 1
+
+
+def test_stabilizer_experiments_change_only_the_technique_and_the_minibatches(monkeypatch):
+    """The tuning and the comparison run each technique as its preset's overrides
+    of a testbed method, with MINIBATCHES updates per rollout; the comparison
+    plans from the values the tuning chose, and refuses without them."""
+    from erpo_jax.tools.presets import STABILIZERS, stabilizer_overrides
+    tuning, comp = _mod("slip_stabilizer_tuning"), _mod("slip_stabilizers")
+    main = sweep_lib.variants(_mod("slip_testbed"), True)
+    table = sweep_lib.variants(tuning, True)
+    assert len(table) == 3 * len(tuning.GRID) == 27   # x 2 seeds: 54 runs
+    for name, (field, values) in tuning.GRID.items():
+        base = STABILIZERS[name][0] if name in STABILIZERS else name
+        fixed = {o.split("=")[0] for o in stabilizer_overrides(name, 44)[1]} \
+            if name in STABILIZERS else set()
+        for v in values:
+            cfg = table[tuning.variant_name(name, v)]
+            validate(cfg, _devices(cfg))
+            assert cfg.train.eval_split == "validation" and cfg.optim.num_minibatches == 4
+            assert _changed(cfg, main[base]) <= fixed | {field, "optim.num_minibatches",
+                                                        "rollout.temperature", "train.eval_split",
+                                                        "train.eval_every", "train.eval_n",
+                                                        "train.eval_k"}, name
+            section, key = field.split(".")
+            assert getattr(getattr(cfg, section), key) == v
+    with pytest.raises(ValueError, match="run and commit"):
+        comp.tuned_values(Path("/nonexistent"))
+    monkeypatch.setattr(comp, "tuned_values", lambda *a: {n: vs[0] for n, (_, vs)
+                                                          in tuning.GRID.items()})
+    runs = sweep_lib.variants(comp, True)
+    assert len(runs) == len(comp.METHODS) * len(comp.SETTINGS) == 20
+    for key, cfg in runs.items():
+        validate(cfg, _devices(cfg))
+        name, setting = key.rsplit("-", 1)
+        assert (cfg.rollout.temperature, cfg.train.steps) == comp.SETTINGS[setting]
+        assert cfg.optim.num_minibatches == 4 and cfg.train.eval_split == "test"
+        if name in tuning.GRID:
+            section, k = tuning.GRID[name][0].split(".")
+            assert getattr(getattr(cfg, section), k) == tuning.GRID[name][1][0]
+    for a, b in comp.COMPARISONS:
+        assert a in runs and b in runs
+    assert runs["dapo-T1.5"].algo.filter_groups and runs["erpo+dapo-H200"].loss.beta_query == 0.3

@@ -20,9 +20,14 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = 1
-# What report.py reads from metrics.jsonl: the plotted keys and the cost table's.
+# What report.py reads from metrics.jsonl: the plotted keys and the cost table's;
+# and, for the stability techniques (issue 35), the prompts each step sampled
+# (dynamic sampling draws more: accuracy at equal samples), the adaptive
+# Policy-KL coefficient and the groups dynamic sampling could not fill. A key
+# no row has is left out.
 METRIC_KEYS = ("accuracy", "reward_mean", "drift/qkl_k3", "entropy", "response_len_mean",
-               "time/rollout", "time/ref", "time/update")
+               "time/rollout", "time/ref", "time/update", "rollout/prompts_sampled",
+               "kl_coef", "filter/short")
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
