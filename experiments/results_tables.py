@@ -2,6 +2,7 @@
 
     .venv/bin/python experiments/results_tables.py            # every table, in order
     .venv/bin/python experiments/results_tables.py drift      # one of them
+    .venv/bin/python experiments/results_tables.py --grid-png # results/slip_grid/grid.png
 
 Each table is printed under a `<!-- table: NAME -->` line, as RESULTS.md holds
 it; `tests/test_results_tables.py` checks that RESULTS.md holds every one of
@@ -457,6 +458,112 @@ def slip_claim2_table() -> list[str]:
     return lines
 
 
+GRID_SEEDS = (0, 1, 2)   # slip_grid.py declares 3 seeds; a reused cell gives its seeds 0-2
+
+
+def _grid_cells() -> dict[tuple[float, float], dict]:
+    """{(lr, T): {'source': experiment, 'runs': {method: runs of GRID_SEEDS}}} over
+    the declared grid, slip_grid.py's own cells and the ones it reuses."""
+    grid = _experiment("slip_grid")
+    cells = {}
+    for t in grid.TEMPERATURES:
+        for lr in grid.LRS:
+            exp = grid.REUSED.get((lr, t), "slip_grid")
+            by = runs(exp)
+            name = {"slip_grid": lambda m: grid.cell_name(m, lr, t),
+                    "slip_temperature": lambda m: f"{m}-T{t:g}"}.get(exp, lambda m: m)
+            cells[(lr, t)] = {"source": exp, "runs": {
+                m: [r for r in by[name(m)] if r["config"]["train"]["seed"] in GRID_SEEDS]
+                for m in LABELS}}
+    return cells
+
+
+def _grid_counts(cells) -> dict[str, tuple[int, int]]:
+    """{method: (collapsed runs, runs)} pooled over the grid."""
+    grid = _experiment("slip_grid")
+    out = {m: [0, 0] for m in LABELS}
+    for cell in cells.values():
+        for m, rs in cell["runs"].items():
+            out[m][0] += len(_collapse_steps(rs, grid))
+            out[m][1] += len(rs)
+    return {m: tuple(v) for m, v in out.items()}
+
+
+def slip_grid_table() -> list[str]:
+    """Each grid cell: collapses and final greedy pass@1 per method (3 seeds)."""
+    grid, cells = _experiment("slip_grid"), _grid_cells()
+    heads = " | ".join(f"{LABELS[m]}: collapses" for m in LABELS)
+    lines = [f"| lr | T | runs from | {heads} | final greedy pass@1: "
+             + " / ".join(LABELS.values()) + " |", "|---|---|---|---|---|---|---|"]
+    for (lr, t), cell in cells.items():
+        cols = [f"{len(_collapse_steps(cell['runs'][m], grid))}/{len(cell['runs'][m])}"
+                for m in LABELS]
+        accs = " / ".join(f"{100 * _mean([_final(r, 'greedy_acc') for r in cell['runs'][m]]):.1f}"
+                          for m in LABELS)
+        lines.append(f"| {lr:g} | {t:g} | {cell['source']} | {' | '.join(cols)} | {accs} |")
+    return lines
+
+
+def slip_grid_claim3_table() -> list[str]:
+    """Claim 3 over the whole grid by the pre-declared rule: ERPO's pooled
+    collapses against each baseline's, a two-sided Fisher exact test."""
+    from scipy.stats import fisher_exact
+    counts = _grid_counts(_grid_cells())
+    e, n = counts["erpo"]
+    lines = ["| pooled over the grid | collapsed runs | vs ERPO: Fisher exact p (two-sided) |",
+             "|---|---|---|", f"| ERPO | {e}/{n} | |"]
+    tests = {}
+    for b in ("grpo+policy_kl", "no_kl"):
+        k, m = counts[b]
+        p = fisher_exact([[e, n - e], [k, m - k]])[1]
+        tests[b] = (k, p)
+        lines.append(f"| {LABELS[b]} | {k}/{m} | {p:.3g} |")
+    if all(e < k and p < 0.05 for k, p in tests.values()):
+        verdict = "held"
+    elif any(k >= 2 and e >= k for k, _ in tests.values()):
+        verdict = "did not hold"
+    else:
+        verdict = "inconclusive"
+    lines.append(f"| **claim 3 over the grid** | **{verdict}** | |")
+    return lines
+
+
+def slip_grid_heatmap(path) -> None:
+    """The grid as a PNG: per method (columns), its collapses out of its runs
+    (top) and its mean final greedy pass@1 (bottom), T (rows) by lr (columns)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    grid, cells = _experiment("slip_grid"), _grid_cells()
+    lrs, temps = grid.LRS, grid.TEMPERATURES
+    fig, axes = plt.subplots(2, len(LABELS), figsize=(4 * len(LABELS), 5.5), squeeze=False)
+    for j, (m, label) in enumerate(LABELS.items()):
+        coll = np.array([[len(_collapse_steps(cells[(lr, t)]["runs"][m], grid)) for lr in lrs]
+                         for t in temps])
+        size = np.array([[len(cells[(lr, t)]["runs"][m]) for lr in lrs] for t in temps])
+        acc = np.array([[100 * _mean([_final(r, "greedy_acc") for r in cells[(lr, t)]["runs"][m]])
+                         for lr in lrs] for t in temps])
+        for i, (values, title, vmax, cmap) in enumerate((
+                (coll / size, f"{label}: collapses", 1.0, "Reds"),
+                (acc, f"{label}: final greedy pass@1 (%)", 100.0, "viridis"))):
+            ax = axes[i, j]
+            ax.imshow(values, vmin=0.0, vmax=vmax, cmap=cmap, aspect="auto", origin="lower")
+            for r, t in enumerate(temps):
+                for c, lr in enumerate(lrs):
+                    text = f"{coll[r, c]}/{size[r, c]}" if i == 0 else f"{acc[r, c]:.1f}"
+                    ax.text(c, r, text, ha="center", va="center",
+                            color="black" if i == 0 and values[r, c] < 0.6 else "white")
+            ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+            ax.set_yticks(range(len(temps)), [f"{t:g}" for t in temps])
+            ax.set_xlabel("learning rate")
+            ax.set_ylabel("rollout temperature")
+            ax.set_title(title, fontsize=10)
+    fig.suptitle(f"Slip testbed stability grid: 100 steps, seeds {GRID_SEEDS[0]}-{GRID_SEEDS[-1]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 def slip_temperature_table() -> list[str]:
     """The three methods at rollout temperature 1 (the main comparison) and hot."""
     lines = ["| T | method | final greedy pass@1 | final sampled pass@1 | final pass@8 | "
@@ -521,7 +628,9 @@ TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "slip_search": slip_search_table, "slip_main": slip_main_table,
           "slip_stress": slip_stress_table, "slip_ablations": slip_ablations_table,
           "slip_temperature": slip_temperature_table, "slip_horizon": slip_horizon_table,
-          "slip_wall": slip_wall_table}
+          "slip_wall": slip_wall_table, "slip_grid": slip_grid_table,
+          "slip_grid_claim3": slip_grid_claim3_table}
+GRID_PNG = RESULTS / "slip_grid" / "grid.png"
 
 
 def render(name: str) -> str:
@@ -529,6 +638,9 @@ def render(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--grid-png"]:   # the stability grid's heat-map
+        slip_grid_heatmap(argv[1] if len(argv) > 1 else GRID_PNG)
+        return 0
     names = argv or list(TABLES)
     unknown = [n for n in names if n not in TABLES]
     if unknown:

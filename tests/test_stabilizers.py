@@ -202,3 +202,18 @@ def test_every_stabilizer_preset_is_a_valid_config_of_what_it_names():
         "clip_cov"
     assert seen["adaptive_kl"][0].loss.kl_target == 0.01 and seen["adaptive_kl"][0].loss.beta_policy > 0
     assert seen["entropy_bonus"][0].loss.entropy_coef == 1e-3
+
+
+def test_the_run_header_names_every_technique_that_is_on():
+    from erpo_jax.train.config import apply_overrides, RunConfig
+    from erpo_jax.train.methods import describe
+    cfg = apply_overrides(RunConfig(), [
+        "loss.beta_policy=0.04", "loss.kl_target=0.01", "loss.pg_loss=clip_cov",
+        "loss.eps_high=0.28", "algo.filter_groups=true", "algo.overlong_buffer=8"])
+    line = describe(cfg)
+    for part in ("adaptive to target 0.01", "pg_loss=clip_cov (ratio 0.0002, band (1, 5))",
+                 "clip=[0.8, 1.28]", "dynamic sampling (<= 4 batches/step)",
+                 "overlong shaping (last 8 tokens, penalty 1)"):
+        assert part in line, (part, line)
+    plain = describe(RunConfig())
+    assert "pg_loss" not in plain and "dynamic" not in plain and "clip=" not in plain

@@ -223,6 +223,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agg-mode", default=None,
                    choices=("token_mean", "seq_mean_token_mean", "seq_sum_norm"))
     p.add_argument("--seq-sum-norm-const", type=float, default=None)
+    p.add_argument("--pg-loss", default=None, choices=("ppo_clip", "clip_cov", "kl_cov"),
+                   help="the PG term's surrogate (rl/policy_losses/)")
     p.add_argument("--unit", action="store_true",
                    help="set every regulariser's coefficient to 1 (compare directions)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
@@ -230,7 +232,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 SYNTHETIC_LOSS = dict(beta_policy=0.05, beta_query=0.1, entropy_coef=0.01,
                       policy_kl_estimator="k3", query_kl_estimator="k3", agg_mode="token_mean",
-                      seq_sum_norm_const=None)
+                      seq_sum_norm_const=None, pg_loss="ppo_clip")
 LOSS_FLAGS = tuple(SYNTHETIC_LOSS)
 
 

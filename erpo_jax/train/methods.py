@@ -73,8 +73,10 @@ def describe(cfg) -> str:
     a, lc = cfg.algo, cfg.loss
     parts = [f"method={a.method}", f"advantage={a.advantage}"]
     if lc.beta_policy > 0:
+        adaptive = (f", adaptive to target {lc.kl_target} over {lc.kl_horizon:g} samples"
+                    if lc.kl_target > 0 else "")
         parts.append(f"policy_kl={lc.beta_policy} {lc.policy_kl_estimator} "
-                     f"(in the {lc.policy_kl_mode})")
+                     f"(in the {lc.policy_kl_mode}{adaptive})")
     else:
         parts.append("policy_kl=off")
     parts.append(f"query_kl={lc.beta_query} {lc.query_kl_estimator}" if lc.beta_query > 0
@@ -85,4 +87,17 @@ def describe(cfg) -> str:
     parts.append(w)
     if lc.entropy_coef > 0:
         parts.append(f"entropy={lc.entropy_coef}")
+    if lc.pg_loss != "ppo_clip":
+        detail = (f"ratio {lc.clip_cov_ratio:g}, band ({lc.clip_cov_lb:g}, {lc.clip_cov_ub:g})"
+                  if lc.pg_loss == "clip_cov" else
+                  f"ratio {lc.kl_cov_ratio:g}, coef {lc.kl_cov_coef:g}"
+                  if lc.pg_loss == "kl_cov" else "")
+        parts.append(f"pg_loss={lc.pg_loss}" + (f" ({detail})" if detail else ""))
+    if lc.eps_high != lc.eps_low:
+        parts.append(f"clip=[{1 - lc.eps_low:g}, {1 + lc.eps_high:g}]")
+    if a.filter_groups:
+        parts.append(f"dynamic sampling (<= {a.filter_max_batches} batches/step)")
+    if a.overlong_buffer:
+        parts.append(f"overlong shaping (last {a.overlong_buffer} tokens, "
+                     f"penalty {a.overlong_penalty:g})")
     return "[erpo] " + ", ".join(parts)
