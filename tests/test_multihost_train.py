@@ -27,8 +27,10 @@ from workers import kill_workers, wait_for_workers
 
 EXTRA = [*ANSWERING, "train.steps=2", "train.drift_every=1", "train.drift_queries=8",
          "loss.beta_query=0.1", "algo.weight_scheme=likelihood", "mesh.shape=-1,1,1",
-         "rollout.engine=continuous", "rollout.slots=8"]   # 8 slots refilled from 32 samples
-EXACT = ("reward_mean", "response_len_mean")        # the rollouts: the same tokens
+         "rollout.engine=continuous", "rollout.slots=8",   # 8 slots refilled from 32 samples
+         "algo.filter_groups=true", "algo.filter_max_batches=2"]   # DAPO's dynamic sampling
+# the rollouts: the same tokens, and the same groups kept by dynamic sampling
+EXACT = ("reward_mean", "response_len_mean", "rollout/prompts_sampled", "filter/varied_groups")
 BEFORE = ("loss", "pg_loss", "query_kl", "query_kl_k3", "grad_norm")  # step 1, before any update
 AFTER = ("drift/qkl_k3", "drift/qkl_k1")            # after an update
 

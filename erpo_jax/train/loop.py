@@ -360,7 +360,13 @@ class Trainer:
             # The first batch keeps the step's key (what a run without filtering draws).
             ro = self._sample(idx, key if not pool else jax.random.fold_in(key, len(pool)))
             t1 = time.perf_counter()
-            pool.append((ro, np.asarray(idx), *self._score(ro, idx)))
+            rewards, reasons = self._score(ro, idx)
+            if jax.process_count() > 1:
+                # Every process must keep the same groups and draw as often: process
+                # 0's rewards decide (a verifier timeout can differ between hosts).
+                from jax.experimental import multihost_utils
+                rewards = np.asarray(multihost_utils.broadcast_one_to_all(rewards))
+            pool.append((ro, np.asarray(idx), rewards, reasons))
             times["time/rollout"] += t1 - t0
             times["time/reward"] += time.perf_counter() - t1
             varied = [dynamic_sampling.varied_groups(p[2], G) for p in pool]
