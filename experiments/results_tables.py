@@ -458,6 +458,23 @@ def slip_claim2_table() -> list[str]:
     return lines
 
 
+def slip_stabilizer_tuning_table() -> list[str]:
+    """Each method's or technique's three values on the validation split, and the chosen one."""
+    tuning, by = _experiment("slip_stabilizer_tuning"), runs("slip_stabilizer_tuning")
+    chosen = tuning.chosen(_all_runs("slip_stabilizer_tuning"))
+    lines = ["| method or technique | field = value | final validation greedy pass@1, per seed | "
+             "mean | collapses | final drift (mean) | chosen |", "|---|---|---|---|---|---|---|"]
+    for name, (field, values) in tuning.GRID.items():
+        for v in values:
+            rs = by[tuning.variant_name(name, v)]
+            greedy = [_final(r, "greedy_acc") for r in rs]
+            lines.append(f"| {name} | {field} = {v:g} | "
+                         f"{' / '.join(f'{100 * g:.1f}' for g in greedy)} | "
+                         f"{100 * _mean(greedy):.1f} | {len(_collapse_steps(rs, tuning))}/{len(rs)} | "
+                         f"{_mean(_drifts(rs)):.3f} | {'**yes**' if chosen[name] == v else ''} |")
+    return lines
+
+
 GRID_SEEDS = (0, 1, 2)   # slip_grid.py declares 3 seeds; a reused cell gives its seeds 0-2
 
 
@@ -629,7 +646,8 @@ TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "slip_stress": slip_stress_table, "slip_ablations": slip_ablations_table,
           "slip_temperature": slip_temperature_table, "slip_horizon": slip_horizon_table,
           "slip_wall": slip_wall_table, "slip_grid": slip_grid_table,
-          "slip_grid_claim3": slip_grid_claim3_table}
+          "slip_grid_claim3": slip_grid_claim3_table,
+          "slip_stabilizer_tuning": slip_stabilizer_tuning_table}
 GRID_PNG = RESULTS / "slip_grid" / "grid.png"
 
 

@@ -48,6 +48,7 @@ GRID = {
     "dapo": ("loss.eps_high", (0.24, 0.28, 0.35)),
     "erpo+dapo": ("loss.beta_query", (0.3, 1.0, 3.0)),
 }
+COLLAPSE_DROP = 0.15
 ENTROPY_FLOOR = testbed.ENTROPY_FLOOR
 sft_config = testbed.sft_config
 

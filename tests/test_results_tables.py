@@ -68,3 +68,12 @@ def test_slip_testbed_settings_are_what_its_searches_chose():
     assert picked == {"grpo+policy_kl": testbed.BETA_POLICY, "erpo": testbed.BETA_QUERY}
     regime = search.chosen_regime([r for rs in tables.runs("slip_search").values() for r in rs])
     assert regime == stress.REGIME
+
+
+def test_the_stability_grid_heatmap_is_drawn_from_the_committed_runs(tmp_path):
+    """The grid's PNG (committed beside its runs) is remade from the summaries."""
+    rt = _tables()
+    assert rt.GRID_PNG.is_file()
+    out = tmp_path / "grid.png"
+    assert rt.main(["--grid-png", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
