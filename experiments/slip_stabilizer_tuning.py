@@ -25,13 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from erpo_jax.tools.presets import STABILIZERS, stabilizer_overrides
 from erpo_jax.tools.sweep import load_experiment
 from erpo_jax.train.config import RunConfig, apply_overrides
 
 testbed = load_experiment(Path(__file__).with_name("slip_testbed.py"))
+slip_tuning = load_experiment(Path(__file__).with_name("slip_tuning.py"))
 
 EXPERIMENT = "slip_stabilizer_tuning"
 MINIBATCHES = 4
@@ -84,17 +83,9 @@ def variant(name: str, value) -> RunConfig:
 
 def chosen(runs: Sequence[dict]) -> dict[str, float]:
     """{method or technique: value} with the best mean final validation greedy
-    pass@1 over seeds; `runs` as `erpo_jax.tools.report.load_run` gives them."""
-    by: dict[tuple[str, float], list[float]] = {}
-    for r in runs:
-        name, value = r["name"].rsplit("-v", 1)
-        by.setdefault((name, float(value)), []).append(r["evals"][-1]["average"]["greedy_acc"])
-    best: dict[str, tuple[float, float]] = {}
-    for (name, value), accs in sorted(by.items()):
-        score = float(np.mean(accs))
-        if name not in best or score > best[name][1]:
-            best[name] = (value, score)
-    return {n: v for n, (v, _) in best.items()}
+    pass@1 over seeds (slip_tuning.py's rule); `runs` as
+    `erpo_jax.tools.report.load_run` gives them."""
+    return slip_tuning.chosen(runs, sep="-v")
 
 
 def get_config() -> RunConfig:

@@ -39,12 +39,13 @@ def variant(method: str, beta: float) -> RunConfig:
                                  experiment=EXPERIMENT)
 
 
-def chosen(runs: Sequence[dict]) -> dict[str, float]:
+def chosen(runs: Sequence[dict], sep: str = "-b") -> dict[str, float]:
     """{method: coefficient} with the best mean final validation greedy pass@1 over
-    seeds; `runs` as `erpo_jax.tools.report.load_run` gives them."""
+    seeds; `runs` as `erpo_jax.tools.report.load_run` gives them, each named
+    '<method><sep><coefficient>'."""
     by: dict[tuple[str, float], list[float]] = {}
     for r in runs:
-        method, beta = r["name"].rsplit("-b", 1)
+        method, beta = r["name"].rsplit(sep, 1)
         by.setdefault((method, float(beta)), []).append(r["evals"][-1]["average"]["greedy_acc"])
     best: dict[str, tuple[float, float]] = {}
     for (method, beta), accs in sorted(by.items()):

@@ -263,8 +263,8 @@ def loss_from_stats(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, co
 
     metrics (all without gradient): loss; pg_loss (the weighted PG term);
     policy_kl and query_kl (each term before its coefficient; policy_kl is
-    measured in 'reward' mode too, and 0 when beta_policy is 0; query_kl uses the loss estimator even
-    when beta_query is 0); query_kl_k1, query_kl_k3 (drift monitors);
+    measured in 'reward' mode too, and 0 when beta_policy is 0; query_kl uses
+    the loss estimator even when beta_query is 0); query_kl_k1, query_kl_k3 (drift monitors);
     entropy (token mean over response tokens); clip_frac (response tokens
     where the ratio clip is active); ratio_mean/min/max over response tokens;
     approx_kl_old (k3 between the sampling and current policy); response_tokens;

@@ -60,5 +60,4 @@ def recipe(cfg) -> Recipe:
         pg_loss=lc.pg_loss, needs_ref_logp=lc.needs_ref_logp,
         shapes_rewards=lc.beta_policy > 0 and lc.policy_kl_mode == "reward",
         adaptive_kl=lc.adaptive_kl, needs_key=lc.needs_key,
-        filter_groups=bool(getattr(a, "filter_groups", False)),
-        overlong_buffer=int(getattr(a, "overlong_buffer", 0)))
+        filter_groups=a.filter_groups, overlong_buffer=a.overlong_buffer)

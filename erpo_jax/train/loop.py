@@ -352,7 +352,7 @@ class Trainer:
         kept out of up to algo.filter_max_batches batches of prompts."""
         a, G, first = self.cfg.algo, self.G, self._draw_at(step)
         key = rollout_key(self._rollout_seed, step)
-        pool = []
+        pool, varied = [], []   # varied: per draw, which of its groups' rewards differ
         times["time/rollout"] = times["time/reward"] = 0.0
         while True:
             idx = first_idx if not pool else self.iterator.batch_at(first + len(pool))
@@ -367,10 +367,11 @@ class Trainer:
                 from jax.experimental import multihost_utils
                 rewards = np.asarray(multihost_utils.broadcast_one_to_all(rewards))
             pool.append((ro, np.asarray(idx), rewards, reasons))
+            varied.append(dynamic_sampling.varied_groups(rewards, G))
             times["time/rollout"] += t1 - t0
             times["time/reward"] += time.perf_counter() - t1
-            varied = [dynamic_sampling.varied_groups(p[2], G) for p in pool]
-            if sum(int(v.sum()) for v in varied) >= self.B or len(pool) >= a.filter_max_batches:
+            n_varied = sum(int(v.sum()) for v in varied)
+            if n_varied >= self.B or len(pool) >= a.filter_max_batches:
                 break
         self.iterator.step = first + len(pool)
         chosen, short = dynamic_sampling.choose_groups(varied, self.B)
@@ -379,7 +380,7 @@ class Trainer:
         info = {"rollout/prompts_sampled": float(len(pool) * self.B),
                 "accuracy": float(np.mean(np.concatenate([p[2] for p in pool]) == 1.0)),
                 "filter/batches": float(len(pool)),
-                "filter/varied_groups": float(sum(int(v.sum()) for v in varied)),
+                "filter/varied_groups": float(n_varied),
                 "filter/short": float(short)}
         return (ro, np.asarray([pool[d][1][g] for d, g in chosen]),
                 np.concatenate([pool[d][2][rows(g)] for d, g in chosen]),
@@ -406,7 +407,7 @@ class Trainer:
         lc, a = cfg.loss, cfg.algo
         t0 = time.perf_counter()
         ref_logp = None
-        if self.recipe.needs_ref_logp:
+        if self.recipe.needs_ref_logp:   # dispatched before the rewards, read after: they overlap
             ref_logp = self.ref_logp_fn(self.ref_params,
                                         *_put((batch.tokens, batch.attn_mask), self.sharding),
                                         last=ro.response_tokens.shape[1])

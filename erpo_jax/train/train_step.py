@@ -258,8 +258,10 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
         opt_state = _select(ok, new_opt, state.opt_state)
         critic, critic_opt = state.critic, state.critic_opt
         out_metrics = {k: jnp.mean(v) for k, v in metrics.items()}
-        out_metrics.update({f"term_{k}": jnp.sum(v * counts[k] / totals[k])
-                            for k, v in terms.items()})
+        # A per-micro-batch value over the whole mini-batch: each micro-batch
+        # weighted by its share of term k's normaliser.
+        by_share = lambda v, k: jnp.sum(v * counts[k] / totals[k])
+        out_metrics.update({f"term_{k}": by_share(v, k) for k, v in terms.items()})
         if critic_batch is not None:
             cgrads = acc["critic_grads"]
             c_ok = _finite(cgrads)
@@ -271,7 +273,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                            update_skipped=(~ok).astype(jnp.float32))
         kl_coef = state.kl_coef
         if adaptive:   # the update's Policy-KL, each micro-batch by its share of the tokens
-            kl = jnp.sum(metrics["policy_kl"] * counts["policy_kl"] / totals["policy_kl"])
+            kl = by_share(metrics["policy_kl"], "policy_kl")
             nxt = kl_control.adapt(state.kl_coef, kl, N, loss_cfg.kl_target, loss_cfg.kl_horizon)
             kl_coef = jnp.where(ok, nxt, state.kl_coef)
             out_metrics.update(kl_coef=state.kl_coef, kl_coef_next=kl_coef)
