@@ -637,6 +637,139 @@ def slip_wall_table() -> list[str]:
             ("slip_stress", f"stress regime ({seeds('slip_stress')} seeds)"))])
 
 
+
+# ---------------------------------------------------------------- the stabilizer comparison (issue 35)
+
+STABILIZER_LABELS = {"erpo": "ERPO", "grpo+policy_kl": "GRPO + Policy-KL", "no_kl": "no KL",
+                     "adaptive_kl": "adaptive KL", "clip_higher": "clip-higher",
+                     "entropy_bonus": "entropy bonus", "clip_cov": "Clip-Cov",
+                     "kl_cov": "KL-Cov", "dapo": "DAPO", "erpo+dapo": "ERPO + DAPO"}
+# (ERPO's side, the other side) of each verdict row: ERPO against every method
+# and technique, and ERPO + DAPO against DAPO alone (does ERPO add to DAPO?).
+STABILIZER_PAIRS = ([("erpo", m) for m in STABILIZER_LABELS if m not in ("erpo", "erpo+dapo")]
+                    + [("erpo+dapo", "dapo")])
+
+
+def _stabilizer_settings() -> list[tuple[str, dict[str, list[dict]]]]:
+    """(setting, {method: runs}) of each slip_stabilizers.py setting whose runs are
+    committed, in the order the experiment declares them."""
+    mod = _experiment("slip_stabilizers")
+    if not (RESULTS / mod.EXPERIMENT / "runs").is_dir():
+        return []
+    by = runs(mod.EXPERIMENT)
+    out = []
+    for s in mod.SETTINGS:
+        found = {m: by[f"{m}-{s}"] for m in STABILIZER_LABELS if f"{m}-{s}" in by}
+        if found:
+            out.append((s, found))
+    return out
+
+
+def _setting_label(setting: str) -> str:
+    t, steps = _experiment("slip_stabilizers").SETTINGS[setting]
+    return f"T {t:g}, {steps} steps"
+
+
+def _step_seconds(r) -> float:
+    """Median wall seconds of a training step: rollout, reference and update."""
+    parts = [report.series(r, k)[1] for k in ("time/rollout", "time/ref", "time/update")]
+    return float(np.median(np.sum(parts, axis=0)))
+
+
+def _sampled_prompts(r) -> np.ndarray:
+    """Prompts sampled by the end of each logged step (dynamic sampling draws more)."""
+    return np.cumsum(report.series(r, "rollout/prompts_sampled")[1])
+
+
+def _greedy_within(r, budget: float) -> tuple[float, int]:
+    """(greedy pass@1, step) at the run's last evaluation whose prompts sampled so
+    far are within `budget`: the accuracy at equal sampled responses."""
+    steps, sampled = report.series(r, "rollout/prompts_sampled")[0], _sampled_prompts(r)
+    best = (r["evals"][0]["average"]["greedy_acc"], r["evals"][0]["step"])
+    for e in r["evals"]:
+        used = sampled[steps <= e["step"]]
+        if e["step"] == 0 or (used.size and used[-1] <= budget):
+            best = (e["average"]["greedy_acc"], e["step"])
+    return best
+
+
+def slip_stabilizers_table() -> list[str]:
+    """Each method and technique of the comparison, per setting: final test
+    accuracy, drift, collapses, and what a step costs."""
+    mod = _experiment("slip_stabilizers")
+    lines = ["| setting | method or technique | final greedy pass@1 | final sampled pass@1 | "
+             "final pass@8 | final drift (median) | collapses | s per step (median) | "
+             "prompts sampled per step |", "|---|---|---|---|---|---|---|---|---|"]
+    for setting, by in _stabilizer_settings():
+        for m, rs in by.items():
+            prompts = np.mean([_sampled_prompts(r)[-1] / len(r["metrics"]) for r in rs])
+            lines.append(f"| {_setting_label(setting)} | {STABILIZER_LABELS[m]} | "
+                         f"{_pct([_final(r, 'greedy_acc') for r in rs])} | "
+                         f"{_pct([_final(r, 'pass@1') for r in rs])} | "
+                         f"{_pct([_final(r, 'pass@8') for r in rs])} | "
+                         f"{np.median(_drifts(rs)):.3g} | {len(_collapse_steps(rs, mod))}/{len(rs)} | "
+                         f"{np.mean([_step_seconds(r) for r in rs]):.2f} | {prompts:.1f} |")
+    return lines
+
+
+def _accuracy_verdict(e: dict) -> str:
+    """Claim 1's rule on one difference (ERPO's side first): its 95% Welch CI."""
+    lo, hi = e["diff"] - e["half"], e["diff"] + e["half"]
+    return "wins" if lo > 0 else "loses" if hi < 0 else "ties"
+
+
+def _drift_cell(a, b) -> str:
+    """Median final drift of each side and the exact Mann-Whitney p (claim 2's rule)."""
+    t = report.rank_test(a, b)
+    side = ("lower" if np.median(a) < np.median(b) else "higher") if t["p"] < 0.05 else "n.s."
+    return f"{np.median(a):.3g} / {np.median(b):.3g}, p {t['p']:.3f} ({side})"
+
+
+def slip_stabilizer_verdicts_table() -> list[str]:
+    """ERPO − each method or technique (and ERPO + DAPO − DAPO), 95% Welch CIs
+    over seeds, per setting; accuracy also at equal sampled responses (the
+    filtering side's last evaluation within the other side's prompts); the
+    verdict is claim 1's rule on final greedy pass@1 at equal steps."""
+    mod = _experiment("slip_stabilizers")
+    lines = ["| setting | ERPO side − other side | greedy pass@1, points | sampled pass@1 | "
+             "pass@8 | greedy pass@1 at equal sampled responses (steps reached) | "
+             "final drift: medians, Mann-Whitney | collapses | s per step, ratio | "
+             "accuracy verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for setting, by in _stabilizer_settings():
+        for a, b in STABILIZER_PAIRS:
+            if a not in by or b not in by:
+                continue
+            ra, rb = by[a], by[b]
+            cells, effects = [], []
+            for key in ("greedy_acc", "pass@1", "pass@8"):
+                text, e = _diff([_final(r, key) for r in ra], [_final(r, key) for r in rb])
+                cells.append(text)
+                effects.append(e)
+            budget = min(np.mean([_sampled_prompts(r)[-1] for r in side]) for side in (ra, rb))
+            at_a, at_b = ([_greedy_within(r, budget) for r in side] for side in (ra, rb))
+            text, _ = _diff([g for g, _ in at_a], [g for g, _ in at_b])
+            reached = (f"{int(np.mean([s for _, s in at_a]))} / "
+                       f"{int(np.mean([s for _, s in at_b]))}")
+            cost = np.mean([_step_seconds(r) for r in ra]) / np.mean([_step_seconds(r) for r in rb])
+            lines.append(f"| {_setting_label(setting)} | {STABILIZER_LABELS[a]} − "
+                         f"{STABILIZER_LABELS[b]} | {' | '.join(cells)} | {text} ({reached}) | "
+                         f"{_drift_cell(_drifts(ra), _drifts(rb))} | "
+                         f"{len(_collapse_steps(ra, mod))}/{len(ra)} vs "
+                         f"{len(_collapse_steps(rb, mod))}/{len(rb)} | {cost:.2f} | "
+                         f"**{_accuracy_verdict(effects[0])}** |")
+    return lines
+
+
+def slip_stabilizer_wall_table() -> list[str]:
+    mods = [("slip_grid", "stability grid (new cells, 3 seeds)"),
+            ("slip_stabilizer_tuning", "stabilizer tuning on validation (2 seeds)")]
+    sweeps = [(label, _all_runs(exp)) for exp, label in mods]
+    for setting, by in _stabilizer_settings():
+        n = len({r["config"]["train"]["seed"] for rs in by.values() for r in rs})
+        sweeps.append((f"stabilizer comparison, {_setting_label(setting)} ({n} seeds)",
+                       [r for rs in by.values() for r in rs]))
+    return _wall_lines(sweeps)
+
 TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "temperature": temperature_table, "long_horizon": long_horizon_table,
           "ablations": ablations_table, "slip_verdicts": slip_verdict_table,
@@ -647,7 +780,10 @@ TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "slip_temperature": slip_temperature_table, "slip_horizon": slip_horizon_table,
           "slip_wall": slip_wall_table, "slip_grid": slip_grid_table,
           "slip_grid_claim3": slip_grid_claim3_table,
-          "slip_stabilizer_tuning": slip_stabilizer_tuning_table}
+          "slip_stabilizer_tuning": slip_stabilizer_tuning_table,
+          "slip_stabilizers": slip_stabilizers_table,
+          "slip_stabilizer_verdicts": slip_stabilizer_verdicts_table,
+          "slip_stabilizer_wall": slip_stabilizer_wall_table}
 GRID_PNG = RESULTS / "slip_grid" / "grid.png"
 
 

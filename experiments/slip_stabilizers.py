@@ -32,7 +32,7 @@ testbed = tuning.testbed
 
 EXPERIMENT = "slip_stabilizers"
 MINIBATCHES = tuning.MINIBATCHES
-SETTINGS = {"T1.5": (1.5, 100), "H200": (1.0, 200)}   # name -> (temperature, steps)
+SETTINGS = {"T1.5": (1.5, 100), "long200": (1.0, 200)}   # name -> (temperature, steps)
 METHODS = ("erpo", "grpo+policy_kl", "no_kl", *STABILIZERS)
 TUNING_RUNS = Path(__file__).with_name("results") / "slip_stabilizer_tuning" / "runs"
 COMPARISONS = [(f"erpo-{s}", f"{m}-{s}") for s in SETTINGS for m in METHODS if m != "erpo"]

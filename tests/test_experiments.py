@@ -468,4 +468,4 @@ def test_stabilizer_experiments_change_only_the_technique_and_the_minibatches(mo
             assert getattr(getattr(cfg, section), k) == tuning.GRID[name][1][0]
     for a, b in comp.COMPARISONS:
         assert a in runs and b in runs
-    assert runs["dapo-T1.5"].algo.filter_groups and runs["erpo+dapo-H200"].loss.beta_query == 0.3
+    assert runs["dapo-T1.5"].algo.filter_groups and runs["erpo+dapo-long200"].loss.beta_query == 0.3

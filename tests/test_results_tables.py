@@ -77,3 +77,23 @@ def test_the_stability_grid_heatmap_is_drawn_from_the_committed_runs(tmp_path):
     out = tmp_path / "grid.png"
     assert rt.main(["--grid-png", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_accuracy_at_equal_sampled_responses_reads_the_last_evaluation_within_the_budget():
+    """A run that samples twice the prompts per step is read at the last
+    evaluation whose prompts sampled so far fit the other side's budget."""
+    rt = _tables()
+
+    def run(per_step, accs):   # evaluations at steps 0, 20, 40, ...
+        return {"metrics": [{"step": s, "rollout/prompts_sampled": per_step}
+                            for s in range(1, 101)],
+                "evals": [{"step": 20 * i, "average": {"greedy_acc": a}}
+                          for i, a in enumerate(accs)]}
+
+    accs = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    plain, filtering = run(16.0, accs), run(32.0, accs)
+    budget = rt._sampled_prompts(plain)[-1]
+    assert budget == 1600.0
+    assert rt._greedy_within(plain, budget) == (0.6, 100)
+    assert rt._greedy_within(filtering, budget) == (0.3, 40)   # 1600 prompts at step 50
+    assert rt._greedy_within(filtering, 15.0) == (0.1, 0)      # nothing fits: the reference
