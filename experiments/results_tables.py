@@ -637,10 +637,9 @@ def slip_wall_table() -> list[str]:
             ("slip_stress", f"stress regime ({seeds('slip_stress')} seeds)"))])
 
 
-
 # ---------------------------------------------------------------- the stabilizer comparison (issue 35)
 
-STABILIZER_LABELS = {"erpo": "ERPO", "grpo+policy_kl": "GRPO + Policy-KL", "no_kl": "no KL",
+STABILIZER_LABELS = {"erpo": "ERPO", **LABELS,
                      "adaptive_kl": "adaptive KL", "clip_higher": "clip-higher",
                      "entropy_bonus": "entropy bonus", "clip_cov": "Clip-Cov",
                      "kl_cov": "KL-Cov", "dapo": "DAPO", "erpo+dapo": "ERPO + DAPO"}
@@ -713,9 +712,8 @@ def slip_stabilizers_table() -> list[str]:
 
 
 def _accuracy_verdict(e: dict) -> str:
-    """Claim 1's rule on one difference (ERPO's side first): its 95% Welch CI."""
-    lo, hi = e["diff"] - e["half"], e["diff"] + e["half"]
-    return "wins" if lo > 0 else "loses" if hi < 0 else "ties"
+    """Claim 1's rule (`_ci_verdict`) on one difference, ERPO's side first."""
+    return {"held": "wins", "did not hold": "loses", "inconclusive": "ties"}[_ci_verdict([e], 1)]
 
 
 def _drift_cell(a, b) -> str:
@@ -769,6 +767,7 @@ def slip_stabilizer_wall_table() -> list[str]:
         sweeps.append((f"stabilizer comparison, {_setting_label(setting)} ({n} seeds)",
                        [r for rs in by.values() for r in rs]))
     return _wall_lines(sweeps)
+
 
 TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "temperature": temperature_table, "long_horizon": long_horizon_table,
