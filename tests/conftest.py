@@ -36,7 +36,26 @@ LONGEST_FIRST = ("test_train.py", "test_plan.py", "test_faults.py", "test_chaos.
                  "test_multihost_train.py", "test_engines.py")
 
 
-def pytest_collection_modifyitems(items):
+LONG = os.environ.get("ERPO_LONG_TESTS") == "1"
+
+
+def _is_long(item) -> bool:
+    """`@pytest.mark.long`: a longer variant of a property a default test checks
+    too; `@pytest.mark.long(when=f)`: the parametrized cases whose params f(params)
+    calls long. Deselected unless ERPO_LONG_TESTS=1."""
+    mark = item.get_closest_marker("long")
+    if mark is None:
+        return False
+    when = mark.kwargs.get("when")
+    return when is None or bool(when(getattr(item, "callspec", None) and item.callspec.params))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not LONG:
+        long = [item for item in items if _is_long(item)]
+        if long:
+            config.hook.pytest_deselected(items=long)
+            items[:] = [item for item in items if not _is_long(item)]
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: file order kept
 

@@ -60,7 +60,9 @@ def test_the_batch_has_varied_lengths(static_out):
     assert static_out.truncated.any() and not static_out.truncated.all()
 
 
-@pytest.mark.parametrize("slots", [1, 3, 4, 9, 64])   # below, at and above G = 4
+# Below, at and above G = 4; 3 and 64 with ERPO_LONG_TESTS=1.
+@pytest.mark.long(when=lambda p: p["slots"] in (3, 64))
+@pytest.mark.parametrize("slots", [1, 3, 4, 9, 64])
 def test_continuous_equals_static_for_any_pool(params, static_run, slots):
     static_out, static_stats = static_run
     engine = ContinuousEngine(CFG, SC, slots=slots)
@@ -120,6 +122,7 @@ def test_no_retrace_and_a_handful_of_programs(params):
     assert engine.num_traces == traces
 
 
+@pytest.mark.long(when=lambda p: p["mesh"] == (1, 1, 1))   # one device: long variant
 @pytest.mark.parametrize("mesh", [(4, 2, 1), (2, 1, 2), (1, 1, 1)])
 def test_sharded_equals_static(params, static_out, mesh):
     """On meshes of 8, 4 and one device (a one-device run: the head's

@@ -134,6 +134,7 @@ def test_cached_decode_equals_full_forward(tiny):
     assert int(cache.index) == T
 
 
+@pytest.mark.long(when=lambda p: p["remat"] and p["tiny"] != "qwen2")   # remat: Qwen2 by default
 @pytest.mark.parametrize("remat", [False, True])
 def test_scanned_and_unrolled_layers_agree(tiny, remat):
     """The layer scan and the unrolled layers are one model: equal logits and
@@ -279,6 +280,10 @@ def _grouped_rows(vocab, P=3, G=4, Q=9, R=7, seed=0):
     return jnp.asarray(toks), jnp.asarray(mask)
 
 
+# The layer's per-architecture parts (biases, QK-norm) are checked scanned per kind
+# by test_scanned_and_unrolled_layers_agree; the scan and remat variants of the
+# grouped forward run on Qwen2 by default and on every kind with ERPO_LONG_TESTS=1.
+@pytest.mark.long(when=lambda p: (p["scan"] or p["remat"]) and p["tiny"] != "qwen2")
 @pytest.mark.parametrize("scan,remat", [(False, False), (True, False), (True, True)])
 def test_grouped_query_forward_is_the_same_function(tiny, scan, remat):
     """Running each group's query once (`group_size`) gives every row's log-probs,

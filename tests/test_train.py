@@ -351,7 +351,8 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
     # reference forward's shape is compiled here first.
     ("loss.beta_policy=0.04", "optim.num_minibatches=2", "rollout.max_new_tokens=12"),
     ("algo.advantage=gae",),                                       # per-token advantages + critic
-    ("loss.beta_policy=0.04", "loss.policy_kl_mode=reward"),       # KL-shaped rewards
+    # KL-shaped rewards (ERPO_LONG_TESTS=1; test_method_run trains this mode by default)
+    pytest.param(("loss.beta_policy=0.04", "loss.policy_kl_mode=reward"), marks=pytest.mark.long),
 ])
 def test_compile_ahead_covers_the_first_step(sft_model, tmp_path, extra):
     """The rollout, reference forward and update compiled in the background for

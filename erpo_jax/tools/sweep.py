@@ -335,7 +335,7 @@ def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
         rc = _subprocess("train", r.cfg, r.dir / "train.log", runs_root)
         ok = rc == 0 and is_finished(r.dir)
         state = "ok" if ok else "interrupted" if _CHILDREN.stopping.is_set() else "FAILED"
-        wall = time.perf_counter() - t0
+        wall = round(time.perf_counter() - t0, 1)   # one value for the log and the record
         _log(logs[r.experiment], f"{time.strftime('%Y-%m-%d %H:%M:%S')} {r.label} "
                                  f"{state} rc={rc} steps={r.cfg.train.steps} "
                                  f"from={st}{' (' + detail + ')' if detail else ''} "
@@ -343,7 +343,7 @@ def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
         if (r.dir / "config.json").exists():   # the run's own record, which summaries keep
             with open(r.dir / WALL_LOG, "a") as f:
                 f.write(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "state": state,
-                                    "from": st, "wall_s": round(wall, 1)}) + "\n")
+                                    "from": st, "wall_s": wall}) + "\n")
         return r, 0 if ok else (rc or 1)
 
     main = threading.current_thread() is threading.main_thread()
