@@ -169,6 +169,8 @@ def test_a_run_with_every_technique_logs_them_and_resumes_bit_for_bit(sft_model,
     try:
         assert t.start_step == 2
         assert t.iterator.step == sum(int(r["filter/batches"]) for r in rows[:2])
+        t._wait_for_compile()   # compile-ahead read step 3's prompts where the step will
+        assert t._ahead_position == t.iterator.step
         assert t.run()["status"] == "done"
     finally:
         t.close()

@@ -146,6 +146,13 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
 
+    def meta(self, step: int) -> dict:
+        """The JSON meta of checkpoint `step` alone (no arrays are read)."""
+        with _orbax_errors_held():
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
     def restore_newest_intact(self, state_like: Any) -> tuple[Any, dict, list]:
         """(state, meta, broken) from the newest checkpoint that restores, where
         broken lists (step, exception) of the newer ones that did not (a

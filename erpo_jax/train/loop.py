@@ -155,7 +155,16 @@ class Trainer:
         self.iterator = QueryBatchIterator(len(self.task.train), self.B, t.seed)
         self.start_step = 0 if latest is None else latest
         self._next_indices = None   # (step, indices) prepared while the last update ran
+        self._ahead_position = None   # the iterator position compile-ahead read its prompts at
         if t.compile_ahead and jax.process_count() == 1:
+            if latest is not None and self.recipe.filter_groups:
+                # Dynamic sampling's first prompts are at the checkpoint's iterator
+                # position, which the restore below sets: read it now, so the
+                # thread compiles the width of the prompts the step will sample.
+                try:
+                    self.iterator.set_state(self.ckpt.meta(latest)["data"])
+                except Exception:  # noqa: BLE001 - unreadable: the restore below says why
+                    pass
             self._compiling = threading.Thread(target=self._compile_ahead,
                                                args=(self.start_step,), daemon=True)
             self._compiling.start()
@@ -298,6 +307,7 @@ class Trainer:
     def _ahead_jobs(self, step: int) -> list:
         """(name, compile function) for step `step`, in the order the step runs them."""
         state, batch, critic = self.update_arguments(step)
+        self._ahead_position = self._draw_at(step)
         prompts = self._prompts_at(step)
         jobs = [("rollout", lambda: self.sampler.compile_sample(
             state.params, prompts, self.cfg.rollout.max_prompts_per_call))]
