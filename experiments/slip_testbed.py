@@ -4,8 +4,10 @@
     erpo sweep experiments/slip_testbed.py --cpu --seeds 0,1,2 --jobs 2
 
 The reference: arith-medium SFT'd for 900 steps on demonstrations that drop
-each carry or borrow with probability 0.6 (`data.sft_slip`), which the sweep
-trains first into runs/sft-arith-slip (about 6 minutes on 2 cores). It often
+each carry or borrow with probability 0.6 (`data.sft_slip`). The sweep
+installs its shipped export (erpo_jax/assets/slip_reference, the same weights
+on every machine) into runs/sft-arith-slip; `erpo sweep --train-reference`
+trains it there instead (about 6 minutes on 2 cores). It often
 can produce the right answer but not reliably (sampled pass@8 far above
 pass@1), the setting where RL lifts pass@1 a lot. From it, the three methods
 of the main comparison at lr 3e-4 for 100 steps, with greedy and 8-sample

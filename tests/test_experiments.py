@@ -469,3 +469,43 @@ def test_stabilizer_experiments_change_only_the_technique_and_the_minibatches(mo
     for a, b in comp.COMPARISONS:
         assert a in runs and b in runs
     assert runs["dapo-T1.5"].algo.filter_groups and runs["erpo+dapo-long200"].loss.beta_query == 0.3
+
+
+def test_the_sweep_installs_the_shipped_slip_reference_not_a_retrained_one(tmp_path, monkeypatch):
+    """Training the slip reference is bit-identical only on one CPU type (on
+    another, the runs of one comparison would start from other weights): where
+    the package ships the export of an experiment's SFT config, the sweep
+    copies it in, and trains it only when asked (`--train-reference`) or when
+    the config is another one."""
+    import hashlib
+    from erpo_jax.tools.demo import REFERENCE
+    from erpo_jax.tools.presets import arith_sft_config, slip_sft_config
+    monkeypatch.chdir(tmp_path)   # the experiments' runs/... paths land here
+    sft = slip_sft_config()
+    assert sweep_lib.shipped_reference(sft) == REFERENCE
+    assert sweep_lib.shipped_reference(arith_sft_config()) is None
+    longer = dataclasses.replace(sft, train=dataclasses.replace(sft.train, steps=sft.train.steps + 1))
+    assert sweep_lib.shipped_reference(longer) is None
+
+    calls = []
+    monkeypatch.setattr(sweep_lib, "_subprocess",
+                        lambda kind, cfg, log, root: calls.append(kind) or int(kind != "sft"))
+    runs = sweep_lib.plan(EXP / "slip_testbed.py", [0], cpu=True, only=["erpo"])
+    assert sweep_lib.sft_prerequisite(runs, sft) == sft   # absent: it is needed
+    sweep_lib.run_sweep(runs, sft=sft)
+    assert calls == ["train"]   # installed, not trained
+    model = Path(sft.train.out_dir) / "model"
+    assert sorted(p.name for p in model.iterdir()) == sorted(
+        p.name for p in REFERENCE.iterdir() if p.name not in sweep_lib._NOT_MODEL)
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
+    assert digest(model / "model.safetensors") == digest(REFERENCE / "model.safetensors")
+    assert "installed the shipped export" in Path("runs/slip_testbed/sweep.log").read_text()
+    # Its config.json is the experiment's SFT config: a rerun neither retrains
+    # it nor calls it a different config.
+    assert sweep_lib.sft_prerequisite(runs, sft) is None
+
+    import shutil
+    shutil.rmtree(model)
+    calls.clear()
+    sweep_lib.run_sweep(runs, sft=sft, train_reference=True)
+    assert calls[0] == "sft"

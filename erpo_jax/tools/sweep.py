@@ -33,7 +33,11 @@ once. One line per run, with its wall time, is appended to
 Runs that start from `model.init='sft'` at their SFT reference model get it
 trained first if it is absent: the experiment file's `sft_config()` if it has
 one, else the shared CPU reference (`runs/sft-arith/model`,
-`presets.arith_sft_config()`).
+`presets.arith_sft_config()`). Where the package ships that config's export
+(`erpo_jax/assets/slip_reference/`, the slip testbed's), it is installed
+instead: training is bit-identical only on one CPU type, and a reference
+retrained on another machine would start the runs of one comparison from
+different weights (`--train-reference` trains it all the same).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -275,6 +280,45 @@ def sft_prerequisite(runs: list[Run], sft: RunConfig | None = None) -> RunConfig
     return None
 
 
+# Committed exports of SFT reference configs: the folder holds the run's
+# config.json as `sft_config.json` next to the exported model's files.
+SHIPPED_REFERENCES = (Path(__file__).resolve().parents[1] / "assets" / "slip_reference",)
+_NOT_MODEL = ("sft_config.json", "sft_eval.json", "README.md")
+
+
+def _placed(data: dict, out_dir: str) -> dict:
+    return {**data, "train": {**data.get("train", {}), "out_dir": out_dir}}
+
+
+def shipped_reference(sft: RunConfig) -> Path | None:
+    """The shipped export of the SFT config `sft` (wherever it is to go), or None."""
+    want = _placed(_jsonable(sft), "")
+    for d in SHIPPED_REFERENCES:
+        saved = d / "sft_config.json"
+        if saved.is_file() and _first_difference(_placed(_saved(saved), ""), want) is None:
+            return d
+    return None
+
+
+def install_reference(sft: RunConfig, src: Path) -> Path:
+    """Copy the shipped export `src` to `<sft out_dir>/model`, with its config.json
+    in the out_dir as training it there would have written; the model folder
+    appears whole or not at all. Returns the model folder."""
+    from erpo_jax.train.sft import MODEL_SUBDIR
+    out = Path(sft.train.out_dir)
+    model, part = out / MODEL_SUBDIR, out / (MODEL_SUBDIR + ".partial")
+    if part.exists():
+        shutil.rmtree(part)
+    part.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name not in _NOT_MODEL:
+            shutil.copy2(f, part / f.name)
+    rundir.write_json(out / "config.json",
+                      _placed(rundir.read_json(src / "sft_config.json"), sft.train.out_dir))
+    part.rename(model)
+    return model
+
+
 def _log(path: Path, line: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -284,9 +328,11 @@ def _log(path: Path, line: str) -> None:
 
 def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
               dry_run: bool = False, restart_stale: bool = False,
-              sft: RunConfig | None = None) -> dict[str, list[Run]]:
+              sft: RunConfig | None = None,
+              train_reference: bool = False) -> dict[str, list[Run]]:
     """Run what is not done, the SFT model they start from first (`sft`: see
-    `sft_prerequisite`); returns {'done', 'ran', 'failed', 'stale': [Run]}."""
+    `sft_prerequisite`; installed from the package where it ships that model,
+    unless `train_reference`); returns {'done', 'ran', 'failed', 'stale': [Run]}."""
     for r in runs:
         validate(r.cfg)
     if not dry_run and rundir.is_remote(runs_root):
@@ -317,7 +363,13 @@ def run_sweep(runs: list[Run], jobs: int = 1, runs_root: str | Path = "runs",
     if dry_run:
         return out
     sft = sft_prerequisite(todo, sft)
-    if sft is not None:
+    shipped = None if sft is None or train_reference else shipped_reference(sft)
+    if shipped is not None:
+        model = install_reference(sft, shipped)
+        for e in exps:
+            _log(logs[e], f"{time.strftime('%Y-%m-%d %H:%M:%S')} {sft.name}: installed the "
+                          f"shipped export {shipped} as {model} (--train-reference trains it)")
+    elif sft is not None:
         t0 = time.perf_counter()
         rc = _subprocess("sft", sft, Path(sft.train.out_dir) / "sft.log", runs_root)
         for e in exps:
@@ -401,6 +453,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-stale", action="store_true",
                    help="delete and rerun runs whose saved config differs from the current one")
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    p.add_argument("--train-reference", action="store_true",
+                   help="train the SFT reference where the package ships its export "
+                        "(the shipped one is installed by default: the same weights on "
+                        "every machine)")
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[],
                    metavar="SECTION.FIELD=VALUE", help="overrides for every run (e.g. "
                    "train.steps=4 for a smoke sweep, with another --runs-root)")
@@ -424,7 +480,8 @@ def _run(args: argparse.Namespace) -> int:
           flush=True)
     t0 = time.perf_counter()
     sft = mod.sft_config() if hasattr(mod, "sft_config") else None
-    out = run_sweep(runs, args.jobs, args.runs_root, args.dry_run, args.restart_stale, sft)
+    out = run_sweep(runs, args.jobs, args.runs_root, args.dry_run, args.restart_stale, sft,
+                    args.train_reference)
     if args.dry_run:
         return 0
     print(f"[sweep] {len(out['ran'])} ran, {len(out['done'])} already done, "
