@@ -492,6 +492,8 @@ def test_the_sweep_installs_the_shipped_slip_reference_not_a_retrained_one(tmp_p
                         lambda kind, cfg, log, root: calls.append(kind) or int(kind != "sft"))
     runs = sweep_lib.plan(EXP / "slip_testbed.py", [0], cpu=True, only=["erpo"])
     assert sweep_lib.sft_prerequisite(runs, sft) == sft   # absent: it is needed
+    (Path(sft.train.out_dir) / "model").mkdir(parents=True)   # a cut-off export's leftovers
+    (Path(sft.train.out_dir) / "model" / "model.safetensors").write_bytes(b"cut")
     sweep_lib.run_sweep(runs, sft=sft)
     assert calls == ["train"]   # installed, not trained
     model = Path(sft.train.out_dir) / "model"

@@ -315,6 +315,8 @@ def install_reference(sft: RunConfig, src: Path) -> Path:
             shutil.copy2(f, part / f.name)
     rundir.write_json(out / "config.json",
                       _placed(rundir.read_json(src / "sft_config.json"), sft.train.out_dir))
+    if model.exists():   # an export cut off before its config.json (what marks it whole)
+        shutil.rmtree(model)
     part.rename(model)
     return model
 
