@@ -21,11 +21,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-# A restore that fails part-way (a checkpoint of another shape) leaves orbax's
-# per-array read coroutines unawaited; at exit Python then prints a warning
-# (and a tracemalloc hint) after the one-sentence error, burying it.
-warnings.filterwarnings("ignore", message="coroutine '_read_array_index_and_device_put' was "
-                        "never awaited", category=RuntimeWarning)
+# A save or restore that fails part-way (a full disk, a checkpoint of another
+# shape) leaves some of orbax's per-array coroutines unawaited. Which ones depends
+# on where the failure met its gather, and they are collected when Python gets to
+# them: in orbax's thread, while the error unwinds, or at exit. Python then prints
+# a warning and a tracemalloc hint after the one-sentence error, burying it. This
+# package has no coroutines of its own, so every such warning is a library's
+# leftover: all are ignored, not one name (a save once left another one).
+warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited",
+                        category=RuntimeWarning)
 
 
 class SaveFailed(RuntimeError):
