@@ -147,14 +147,22 @@ def ablations_table() -> list[str]:
 def _wall_lines(sweeps) -> list[str]:
     """The wall-time table of `sweeps`, (label, runs) pairs, with a total row."""
     lines = ["| sweep | runs | wall |", "|---|---:|---:|"]
-    total_n = total_s = 0
+    total_n = total_s = total_missing = 0
     for label, rs in sweeps:
-        s = sum(r["wall_s"] for r in rs)
-        total_n, total_s = total_n + len(rs), total_s + s
-        lines.append(f"| {label} | {len(rs)} | {s:,.0f} s |")
+        # A run whose sweep was killed after it ended, before it wrote
+        # sweep_wall.jsonl, has none: it is counted, not guessed.
+        walls = [r["wall_s"] for r in rs if r["wall_s"] is not None]
+        s, missing = sum(walls), len(rs) - len(walls)
+        total_n, total_s, total_missing = total_n + len(rs), total_s + s, total_missing + missing
+        lines.append(f"| {label} | {len(rs)} | {s:,.0f} s{_unrecorded(missing)} |")
     lines.append(f"| **total** | **{total_n}** | **{total_s:,.0f} s "
-                 f"({int(total_s // 3600)} h {int(total_s % 3600 // 60)} min)** |")
+                 f"({int(total_s // 3600)} h {int(total_s % 3600 // 60)} min)"
+                 f"{_unrecorded(total_missing)}** |")
     return lines
+
+
+def _unrecorded(n: int) -> str:
+    return f" (+ {n} run{'s' if n > 1 else ''} without a recorded wall)" if n else ""
 
 
 def _all_runs(experiment: str) -> list[dict]:
