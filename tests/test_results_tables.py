@@ -34,6 +34,14 @@ def test_results_md_holds_the_table_made_from_the_summaries(name):
                            f"`python experiments/results_tables.py {name}` prints:\n{table}")
 
 
+def test_a_run_without_a_recorded_wall_is_counted_not_summed_as_zero_or_an_error():
+    lines = _tables()._wall_lines([("a", [{"wall_s": 10.0}, {"wall_s": None}]),
+                                   ("b", [{"wall_s": 5.0}])])
+    assert lines[2] == "| a | 2 | 10 s (+ 1 run without a recorded wall) |"
+    assert lines[3] == "| b | 1 | 5 s |"
+    assert lines[4].startswith("| **total** | **3** | **15 s (0 h 0 min) (+ 1 run without")
+
+
 @pytest.mark.parametrize("experiment", [p.parent.name for p in
                                         sorted((EXP / "results").glob("*/REPORT.md"))])
 def test_committed_report_is_remade_from_its_summaries(experiment, tmp_path):
