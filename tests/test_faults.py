@@ -315,8 +315,8 @@ def test_a_failed_checkpoint_save_is_one_sentence(tmp_path):
 
 def test_a_library_coroutine_left_unawaited_prints_nothing():
     """A failed save abandons some of orbax's coroutines, and which ones varies
-    from run to run (CI once got another than a restore leaves): none of them may
-    print a warning under the one-sentence error."""
+    from run to run (CI once got another one than a failed restore leaves): none
+    of them may print a warning under the one-sentence error."""
     code = ("import gc, erpo_jax.train.checkpoint\n"
             "async def _write_some_shard():\n    pass\n"
             "c = _write_some_shard()\ndel c\ngc.collect()\n")
