@@ -18,6 +18,10 @@ with the value it resolves to and its doc (the sections are defined in
 erpo_jax/train/config.py). `erpo eval` writes its results beside the model it evaluates
 (`<model>-eval-...`, or `--out DIR`), never into a training run's directory
 unless `--into-run` says so (then as an eval of the run, not a training step).
+`erpo eval`, `erpo report` and `erpo demo` refuse an `--out` that is a file, a
+training run's directory, or holds another kind of output or the same kind made
+with other settings (an eval of another model or settings, a --quick demo for a
+full one); `--force` writes over another output (never over a training run).
 
 Exit codes: 0 done; 1 the run failed (one sentence on stderr; set
 ERPO_JAX_TRACEBACK=1 for the traceback); 2 a bad config field, config file,
@@ -85,6 +89,11 @@ def _eval_dir(cfg, settings: dict) -> str:
     return f"{base.rstrip('/')}-{tag}"
 
 
+def _model_name(cfg) -> str:
+    """The model `erpo eval` evaluates, as its eval_config.json records it."""
+    return cfg.model.path if cfg.model.init in ("sft", "hf") else f"random {cfg.model.preset}"
+
+
 def _eval(args) -> int:
     import time
 
@@ -93,15 +102,21 @@ def _eval(args) -> int:
     from erpo_jax.runtime import rundir
     from erpo_jax.train.config import ConfigError, validate
     from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
-    from erpo_jax.train.policy import check_model_dir
+    from erpo_jax.train.policy import require_model_dir
     from erpo_jax.train.startup import start
     cfg = _load(args)
     args.run_dir = None   # eval leaves no run to resume
     if args.checkpoint:
-        check_model_dir(args.checkpoint, "--checkpoint")
+        require_model_dir(args.checkpoint, "--checkpoint")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="hf",
                                                                  path=args.checkpoint))
     validate(cfg)
+    if cfg.data.task == "jsonl" and not cfg.data.eval_benchmarks and \
+            cfg.train.eval_split == "test":
+        raise ConfigError("config field data.eval_benchmarks: is empty, so this JSONL task has "
+                          "no evaluation set for erpo eval to run; name benchmarks (e.g. "
+                          "data.eval_benchmarks=gsm8k) or evaluate on held-out training rows "
+                          "(data.n_val=100 train.eval_split=validation).")
     settings = _eval_settings(cfg)
     # Where the results go, checked before the work.
     if args.into_run:
@@ -109,22 +124,30 @@ def _eval(args) -> int:
         if not rundir.is_run_dir(out):
             raise ConfigError(f"--into-run: {out} holds no training run (no metrics.jsonl or "
                               "checkpoints/); drop --into-run to write an eval directory.")
+        rundir.check_output_dir(out, "--out")
     else:
         out = args.out or _eval_dir(cfg, settings)
-        if rundir.is_run_dir(out):
-            raise ConfigError(f"--out {out} is a training run's directory: an eval there would "
-                              "mix with the run's own evaluations; give another --out, or pass "
-                              "--into-run to record it there as an eval (external_evals.jsonl), "
-                              "never as a training step.")
-    rundir.check_output_dir(out, "--out")
+        # The default directory is named for the model and the settings; an
+        # --out holding an evaluation of another model or with other settings
+        # (or another kind of output) is refused unless --force.
+        rundir.claim_output_dir(out, "--out", "eval", json.loads(json.dumps(
+                                    {"model": _model_name(cfg), "settings": settings})),
+                                force=args.force,
+                                run_hint=", or pass --into-run to record the evaluation there "
+                                "as an eval of the run (external_evals.jsonl), never as a "
+                                "training step")
     s = start(cfg, policy="the model evaluated")
     try:
         res = Evaluator(s.model_cfg, s.task, s.cfg, s.sharding).evaluate(
             s.params, jax.random.key(cfg.train.seed), 0)
     finally:
         s.task.close()
+    if not res["sets"]:   # the task loaded no evaluation set (checked above for the known cases)
+        raise ConfigError("the task loaded no evaluation set to run; name benchmarks in "
+                          "data.eval_benchmarks, or set data.n_val with "
+                          "train.eval_split=validation.")
     out = rundir.path(out)
-    model = cfg.model.path if cfg.model.init in ("sft", "hf") else f"random {cfg.model.preset}"
+    model = _model_name(cfg)
     if args.into_run:   # recorded as an eval of the run, never as one of its training steps
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         row = {"time": stamp, "model": model, "settings": settings,
@@ -193,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--into-run", action="store_true", help="record the results in a training "
                    "run's directory (--out, default train.out_dir) as an eval of it, in "
                    "external_evals.jsonl: never as a training step")
+    p.add_argument("--force", action="store_true", help="write into an --out that holds "
+                   "another evaluation (of another model or with other settings), a report or "
+                   "a demo, replacing the evaluation there (never a training run's directory)")
     p.set_defaults(func=_eval)
     from erpo_jax.tools import bench, plan, report, sweep
     from erpo_jax.train.inspect_grads import add_parser as add_inspect
@@ -214,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild-reference", action="store_true",
                    help="train the slip testbed's reference model (900 SFT steps, about 9 "
                         "minutes on 2 cores) instead of using the one the package ships")
+    p.add_argument("--force", action="store_true",
+                   help="replace what --out holds: a demo made with other settings (its runs "
+                        "start over), a report or an evaluation (never a training run)")
     p.set_defaults(func=_demo)
     return parser
 

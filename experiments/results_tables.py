@@ -466,20 +466,57 @@ def slip_claim2_table() -> list[str]:
     return lines
 
 
+def _tuning_label(field, value) -> str:
+    """'loss.x = v' (or 'loss.a = v1, loss.b = v2' for a tuple of fields)."""
+    if isinstance(field, tuple):
+        return ", ".join(f"{f} = {v:g}" for f, v in zip(field, value))
+    return f"{field} = {value:g}"
+
+
+def _tuning_row(tuning, name: str, label: str, rs: list[dict], chosen: bool) -> str:
+    greedy = [_final(r, "greedy_acc") for r in rs]
+    return (f"| {name} | {label} | {' / '.join(f'{100 * g:.1f}' for g in greedy)} | "
+            f"{100 * _mean(greedy):.1f} | {len(_collapse_steps(rs, tuning))}/{len(rs)} | "
+            f"{_mean(_drifts(rs)):.3f} | {'**yes**' if chosen else ''} |")
+
+
+TUNING_HEAD = ["| method or technique | field = value | final validation greedy pass@1, per seed "
+               "| mean | collapses | final drift (mean) | chosen |",
+               "|---|---|---|---|---|---|---|"]
+
+
 def slip_stabilizer_tuning_table() -> list[str]:
-    """Each method's or technique's three values on the validation split, and the chosen one."""
+    """Each method's or technique's values on the validation split, and the
+    chosen one; a value whose runs are not committed yet says so."""
     tuning, by = _experiment("slip_stabilizer_tuning"), runs("slip_stabilizer_tuning")
     chosen = tuning.chosen(_all_runs("slip_stabilizer_tuning"))
-    lines = ["| method or technique | field = value | final validation greedy pass@1, per seed | "
-             "mean | collapses | final drift (mean) | chosen |", "|---|---|---|---|---|---|---|"]
+    lines = list(TUNING_HEAD)
     for name, (field, values) in tuning.GRID.items():
         for v in values:
-            rs = by[tuning.variant_name(name, v)]
-            greedy = [_final(r, "greedy_acc") for r in rs]
-            lines.append(f"| {name} | {field} = {v:g} | "
-                         f"{' / '.join(f'{100 * g:.1f}' for g in greedy)} | "
-                         f"{100 * _mean(greedy):.1f} | {len(_collapse_steps(rs, tuning))}/{len(rs)} | "
-                         f"{_mean(_drifts(rs)):.3f} | {'**yes**' if chosen[name] == v else ''} |")
+            rs = by.get(tuning.variant_name(name, v))
+            if not rs:
+                lines.append(f"| {name} | {_tuning_label(field, v)} | not run yet | | | | |")
+                continue
+            lines.append(_tuning_row(tuning, name, _tuning_label(field, v), rs,
+                                     chosen.get(name) == v))
+    return lines
+
+
+# The first grid of the rows issue 47 re-tuned (issue 35's runs, kept apart).
+FIRST_GRID_FIELDS = {"adaptive_kl": "loss.kl_target", "clip_cov": "loss.clip_cov_ratio",
+                     "kl_cov": "loss.kl_cov_ratio", "dapo": "loss.eps_high",
+                     "erpo+dapo": "loss.beta_query"}
+
+
+def slip_stabilizer_tuning_v1_table() -> list[str]:
+    """The re-tuned rows' first grid (experiments/results/slip_stabilizer_tuning_v1)."""
+    tuning, by = _experiment("slip_stabilizer_tuning"), runs("slip_stabilizer_tuning_v1")
+    chosen = tuning.chosen(_all_runs("slip_stabilizer_tuning_v1"))
+    lines = list(TUNING_HEAD)
+    for variant in sorted(by, key=tuning.variant_value):
+        name, v = tuning.variant_value(variant)
+        lines.append(_tuning_row(tuning, name, _tuning_label(FIRST_GRID_FIELDS[name], v),
+                                 by[variant], chosen.get(name) == v))
     return lines
 
 
@@ -719,6 +756,46 @@ def slip_stabilizers_table() -> list[str]:
     return lines
 
 
+def _series(r, key) -> list[float]:
+    return [m[key] for m in r["metrics"] if m.get(key) is not None]
+
+
+def _mechanics_rows(tuning, by: dict, label) -> list[str]:
+    lines = []
+    for variant in sorted(by):
+        for r in by[variant]:
+            kl = _series(r, "kl_coef") + _series(r, "kl_coef_next")
+            short = _series(r, "filter/short")
+            if not kl and not short:
+                continue
+            steps = len(r["metrics"])
+            kl_cell = f"{min(kl):.3g} – {max(kl):.3g}" if kl else ""
+            short_cell = (f"{sum(1 for x in short if x > 0)}/{steps} "
+                          f"({100 * sum(1 for x in short if x > 0) / steps:.0f}%)"
+                          if short else "")
+            prompts = (f"{_sampled_prompts(r)[-1] / steps:.1f}" if short else "")
+            lines.append(f"| {label(variant)} | {r['config']['train']['seed']} | {kl_cell} | "
+                         f"{short_cell} | {prompts} |")
+    return lines
+
+
+MECHANICS_HEAD = ["| run | seed | kl_coef over the run (min – max) | steps dynamic sampling "
+                  "left short | prompts sampled per step |", "|---|---|---|---|---|"]
+
+
+def slip_stabilizer_mechanics_table() -> list[str]:
+    """What the adaptive controller and dynamic sampling did in each run of the
+    stabilizer tuning and comparison: the coefficient's range, the steps left
+    short of varied groups, the prompts a step sampled (issue 47)."""
+    tuning = _experiment("slip_stabilizer_tuning")
+    lines = list(MECHANICS_HEAD)
+    for exp, tag in (("slip_stabilizer_tuning_v1", "tuning, first grid"),
+                     ("slip_stabilizer_tuning", "tuning"),
+                     ("slip_stabilizers", "comparison")):
+        lines += _mechanics_rows(tuning, runs(exp), lambda v, t=tag: f"{t}: {v}")
+    return lines
+
+
 def _accuracy_verdict(e: dict) -> str:
     """Claim 1's rule (`_ci_verdict`) on one difference, ERPO's side first."""
     return {"held": "wins", "did not hold": "loses", "inconclusive": "ties"}[_ci_verdict([e], 1)]
@@ -768,6 +845,8 @@ def slip_stabilizer_verdicts_table() -> list[str]:
 
 def slip_stabilizer_wall_table() -> list[str]:
     mods = [("slip_grid", "stability grid (new cells, 3 seeds)"),
+            ("slip_stabilizer_tuning_v1", "stabilizer tuning, the first grid of the rows "
+             "issue 47 re-tuned (2 seeds)"),
             ("slip_stabilizer_tuning", "stabilizer tuning on validation (2 seeds)")]
     sweeps = [(label, _all_runs(exp)) for exp, label in mods]
     for setting, by in _stabilizer_settings():
@@ -788,6 +867,8 @@ TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "slip_wall": slip_wall_table, "slip_grid": slip_grid_table,
           "slip_grid_claim3": slip_grid_claim3_table,
           "slip_stabilizer_tuning": slip_stabilizer_tuning_table,
+          "slip_stabilizer_tuning_v1": slip_stabilizer_tuning_v1_table,
+          "slip_stabilizer_mechanics": slip_stabilizer_mechanics_table,
           "slip_stabilizers": slip_stabilizers_table,
           "slip_stabilizer_verdicts": slip_stabilizer_verdicts_table,
           "slip_stabilizer_wall": slip_stabilizer_wall_table}

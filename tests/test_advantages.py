@@ -7,7 +7,7 @@ import pytest
 
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.rl import advantages as A
-from erpo_jax.rl import critic
+from erpo_jax.rl import critic, estimators
 from erpo_jax.rl.synthetic import random_params
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
@@ -33,7 +33,8 @@ def test_grpo_normalises_each_group_by_its_own_mean_and_std():
     a = np.asarray(A.grpo(r, eps=1e-6))
     np.testing.assert_allclose(a, want, atol=1e-5)
     assert np.all(a[2] == 0.0)
-    np.testing.assert_array_equal(A.compute_advantages("grpo", r.reshape(-1), group_size=4), a)
+    np.testing.assert_array_equal(
+        estimators.compute_advantages("grpo", r.reshape(-1), group_size=4), a)
 
 
 def test_rloo_reference_numbers():
@@ -46,9 +47,9 @@ def test_rloo_reference_numbers():
 def test_group_mean_baselines_and_flat_input():
     r = jnp.array([REWARDS, [3.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
     for name in ("dr_grpo", "reinforce"):
-        a = A.compute_advantages(name, r)
+        a = estimators.compute_advantages(name, r)
         np.testing.assert_allclose(a, r - r.mean(axis=1, keepdims=True), atol=1e-6)
-    flat = A.compute_advantages("grpo", r.reshape(-1), group_size=8)
+    flat = estimators.compute_advantages("grpo", r.reshape(-1), group_size=8)
     np.testing.assert_array_equal(flat, A.grpo(r))
     assert flat.shape == (2, 8)
 
@@ -57,7 +58,7 @@ def test_all_equal_group_gives_exact_zero():
     # 0.1 * 3 / 3 != 0.1 in floating point: the guard must make it exactly 0.
     r = jnp.array([[0.1, 0.1, 0.1], [0.7, 0.7, 0.7], [1.0, 0.0, 0.5]], jnp.float32)
     for name in ("grpo", "dr_grpo", "rloo", "reinforce"):
-        a = np.asarray(A.compute_advantages(name, r))
+        a = np.asarray(estimators.compute_advantages(name, r))
         assert np.all(np.isfinite(a)), name
         assert np.all(a[:2] == 0.0), name
         assert np.any(a[2] != 0.0), name
@@ -87,10 +88,24 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="at least 2 responses"):
         A.rloo(jnp.ones((4, 1)))
     with pytest.raises(ValueError, match="Unknown advantage estimator 'ppo'"):
-        A.get_estimator("ppo")
+        estimators.get("ppo")
+    with pytest.raises(ValueError, match="Unknown advantage estimator 'ppo'"):
+        estimators.compute_advantages("ppo", jnp.ones((2, 2)))
     with pytest.raises(ValueError, match="needs critic values"):
-        A.compute_advantages("gae", jnp.ones((2, 2)))
-    assert A.needs_critic("gae") and not any(A.needs_critic(n) for n in A.OUTCOME_ESTIMATORS)
+        estimators.compute_advantages("gae", jnp.ones((2, 2)))
+    critics = [n for n, e in estimators.ESTIMATORS.items() if e.needs_critic]
+    assert critics == ["gae"] and estimators.get("gae").formula is A.gae
+
+
+def test_every_registered_estimator_names_its_formula():
+    """The registry is the one list: each entry carries its pure function from
+    rl/advantages.py, and compute_advantages by name calls exactly it."""
+    r = jnp.array([REWARDS, [3.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
+    for name, est in estimators.ESTIMATORS.items():
+        assert est.formula is getattr(A, est.formula.__name__), name
+        if not est.needs_critic:
+            np.testing.assert_array_equal(estimators.compute_advantages(name, r),
+                                          est.formula(r), err_msg=name)
 
 
 def _gae_loop(r, v, m, gamma, lam):

@@ -76,12 +76,16 @@ BAD_INPUTS = [
     # The stability techniques (issue 35).
     ("loss.pg_loss=cispo", "loss.pg_loss"),
     ("loss.pg_loss=kl_cov loss.kl_cov_ratio=0", "loss.kl_cov_ratio"),
-    ("loss.pg_loss=clip_cov loss.clip_cov_ub=0.5", "loss.clip_cov_ub"),
+    ("loss.pg_loss=clip_cov loss.clip_cov_ub=0.5", "loss.clip_cov_lb"),   # names both
     ("loss.kl_target=0.01", "loss.kl_target"),   # adapts beta_policy, which is 0
     ("algo.advantage=dr_grpo rollout.group_size=1 algo.filter_groups=true", "algo.filter_groups"),
-    ("algo.filter_max_batches=0", "algo.filter_max_batches"),
+    ("algo.filter_max_batches=-1", "algo.filter_max_batches"),   # 0 = no cap
+    ("algo.filter_on_short=drop", "algo.filter_on_short"),
+    ("loss.kl_horizon=0", "loss.kl_horizon"),
     ("algo.overlong_buffer=1000", "algo.overlong_buffer"),
     ("algo.overlong_penalty=-1", "algo.overlong_penalty"),
+    # Issue 49 item 8: a model directory that is not there, named before a mesh is built.
+    ("model.init=sft model.path=/nonexistent/erpo/model", "model.path"),
 ]
 
 

@@ -1,6 +1,8 @@
-"""The package's import structure: `erpo_jax.tools` has no import circle, and
+"""The package's import structure: `erpo_jax.tools` has no import circle,
 `erpo_jax.runtime` (meshes, run directories, processes) imports nothing above
-it. Every import counts, those inside functions too: a circle through a
+it, and the advantage formulas (`rl/advantages.py`) import nothing from the
+package, so the estimator registry (`rl/estimators.py`) that imports them is
+not imported back. Every import counts, those inside functions too: a circle through a
 function-level import still ties the modules together."""
 
 from __future__ import annotations
@@ -74,3 +76,13 @@ def test_runtime_imports_nothing_above_it():
     upward = {m: sorted(d for d in deps if d.startswith(above))
               for m, deps in graph.items() if m.startswith("erpo_jax.runtime")}
     assert {m: d for m, d in upward.items() if d} == {}
+
+
+def test_advantage_formulas_do_not_import_the_estimator_registry():
+    """One list of estimators, in the registry: rl/estimators.py registers the
+    formulas of rl/advantages.py and is the only look-up by name, so the
+    formulas import neither it nor anything else of the package (no circle)."""
+    graph = import_graph()
+    assert "erpo_jax.rl.advantages" in graph["erpo_jax.rl.estimators"]
+    assert "erpo_jax.rl.estimators" not in graph["erpo_jax.rl.advantages"]
+    assert graph["erpo_jax.rl.advantages"] == set()

@@ -227,6 +227,23 @@ def test_pg_surrogate_clip_and_dual_clip():
     assert float(m["dual_clip_frac"]) == 0.25
 
 
+@pytest.mark.parametrize("adv, ratio, want, clipped", [
+    (1.0, 1.5, -1.28, 1.0),    # A > 0 above the clip: -A (1 + eps_high)
+    (-1.0, 0.5, 0.8, 1.0),     # A < 0 below the clip: max(0.5, 0.8) = -A (1 - eps_low)
+    (1.0, 1.25, -1.25, 0.0),   # inside [1 - eps_low, 1 + eps_high]: -A r, no clip
+    (-1.0, 0.75, 0.8, 1.0),    # below 1 - eps_low = 0.8 (not below 1 - eps_high = 0.72)
+])
+def test_clip_higher_one_token_at_a_time(adv, ratio, want, clipped):
+    """Clip-higher's asymmetric clip [1 - eps_low, 1 + eps_high] = [0.8, 1.28] on a
+    single response token (token_mean, weight 1), so no other token can offset
+    it: swapping eps_low and eps_high gives -1.2, 0.72, -1.2 and 0.75 instead."""
+    batch = _hand_batch([[0.0]], adv=[[adv, 0.0, 0.0, 0.0]])
+    st = _stats(np.log([[ratio, 1.0, 1.0, 1.0]]))
+    loss, m = loss_from_stats(st, batch, LossConfig(eps_low=0.2, eps_high=0.28))
+    assert float(loss) == pytest.approx(want, rel=1e-6)
+    assert float(m["clip_frac"]) == clipped
+
+
 def test_policy_kl_and_entropy_terms():
     batch = _hand_batch([[0.0, 0.0], [0.0]], adv=np.zeros((HAND_N, HAND_T1)))
     ref = np.zeros((HAND_N, HAND_T1), np.float32)

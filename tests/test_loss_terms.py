@@ -220,6 +220,39 @@ def test_kl_cov_matches_a_hand_loop_and_penalises_only_the_top_covariance_tokens
     assert np.all(np.asarray(gq)[rm] == 0)
 
 
+@pytest.mark.parametrize("rounding", [0.0, 3e-5])
+def test_kl_cov_on_a_fresh_on_policy_batch_is_the_plain_policy_gradient(rounding):
+    # The first pass over a rollout: old_logp are the policy's own log-probs,
+    # exactly or to the sampler's rounding. The penalty must push nowhere:
+    # loss and gradient are those of -A r, and on the selected tokens the
+    # gradient is -A w / n (n response tokens, token mean).
+    logits, batch = toy_batch(seed=2, B=3, G=4, R=6)
+    st = stats_from_logits(logits, batch.tokens[:, 1:], TEMP)
+    rm = np.asarray(batch.response_mask)
+    jitter = np.random.default_rng(1).choice([-rounding, rounding], rm.shape)
+    batch = batch._replace(old_logp=np.where(rm, np.asarray(st.logp) + jitter, 0.0)
+                           .astype(np.float32))
+    cfg = LossConfig(pg_loss="kl_cov", kl_cov_ratio=0.3, kl_cov_coef=1.0)
+    plain = LossConfig(pg_loss="kl_cov", kl_cov_ratio=0.3, kl_cov_coef=0.0)
+    f = lambda c: lambda lp: loss_terms(st._replace(logp=lp), batch, c)[0]["pg"]
+    (v, g), (v0, g0) = (jax.value_and_grad(f(c))(st.logp) for c in (cfg, plain))
+    assert float(v) == float(v0)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g0))
+    _, chosen = _hand_kl_cov(logits, batch, cfg)
+    assert chosen.sum() > 3
+    adv = np.asarray(batch.advantages)[:, None] * np.ones(rm.shape)
+    w = np.asarray(batch.query_weight)[:, None] * np.ones(rm.shape)
+    ratio = np.exp(np.asarray(st.logp) - np.asarray(batch.old_logp))
+    np.testing.assert_allclose(np.asarray(g)[chosen], (-adv * ratio * w)[chosen] / rm.sum(),
+                               rtol=1e-6)
+    # Off-policy (a later mini-batch) the penalty acts: |log r| beyond the band.
+    far = batch._replace(old_logp=np.where(rm, np.asarray(st.logp) - 0.05, 0.0)
+                         .astype(np.float32))
+    f_far = lambda c: jax.grad(lambda lp: loss_terms(st._replace(logp=lp), far, c)[0]["pg"])
+    diff = np.asarray(f_far(cfg)(st.logp)) - np.asarray(f_far(plain)(st.logp))
+    np.testing.assert_allclose(diff[chosen], np.asarray(w)[chosen] / rm.sum(), rtol=1e-5)
+
+
 def test_covariance_losses_refuse_what_they_cannot_mean():
     with pytest.raises(ValueError, match="pg_loss is 'cispo'"):
         LossConfig(pg_loss="cispo")
@@ -229,6 +262,8 @@ def test_covariance_losses_refuse_what_they_cannot_mean():
         LossConfig(pg_loss="kl_cov", kl_cov_ratio=0.0)
     with pytest.raises(ValueError, match="dual_clip"):
         LossConfig(pg_loss="kl_cov", dual_clip=3.0)
+    with pytest.raises(ValueError, match="kl_cov_tol"):
+        LossConfig(pg_loss="kl_cov", kl_cov_tol=-1e-4)
     LossConfig(pg_loss="ppo_clip", clip_cov_lb=5.0, clip_cov_ub=1.0)   # unused: not checked
 
 

@@ -149,10 +149,13 @@ def test_skip_bad_rows_from_the_command_line(tmp_path, tok_dir, capsys):
     assert [p.answer for p in task.train] == ["0", "2", "3", "4", "5"]
     assert task.load_report == {"unparseable": 1, "first_ids": ["t/1"], "bad_rows": 1}
     assert "dropped 1 bad rows and 1 golds" in capsys.readouterr().out
-    # And through `erpo` (no evaluation sets: it loads the model and the data only).
+    # And through `erpo eval`, on one held-out validation row (with no evaluation
+    # set at all, erpo eval is refused before the data loads: issue 49).
     argv = ["eval", "--checkpoint", str(tok_dir), "--out", str(tmp_path / "ev"),
             "data.task=jsonl", f"data.train_file={train}", "data.template=chat",
-            "data.max_prompt_len=256", "train.drift_every=0", "reward.workers=1"]
+            "data.max_prompt_len=256", "train.drift_every=0", "reward.workers=1",
+            "data.n_val=1", "train.eval_split=validation", "train.batch_size=1",
+            "train.eval_max_problems=1", "rollout.max_new_tokens=4"]
     assert cli.main(argv) == 1                     # one sentence, no traceback
     err = capsys.readouterr().err
     assert f"{train}:4" in err and "data.skip_bad_rows=true" in err and "Traceback" not in err

@@ -123,3 +123,69 @@ def test_inspect_grads_argument_errors(sft_model, capsys):
     with pytest.raises(SystemExit, match="--beta-query set the synthetic batch's loss"):
         cli.main(["inspect-grads", "--config", "x.json", "--checkpoint", str(sft_model),
                   "--beta-query", "0.2"])
+
+
+# ----------------------------------------------------------------------------- the run's batch
+
+
+def _trainer_batch_at(cfg, step, export_to):
+    """Train `cfg` and return the batch the Trainer built at step `step`, with
+    the policy of that moment exported to `export_to` (what inspect-grads
+    --checkpoint reads)."""
+    from erpo_jax.train.loop import Trainer
+    from erpo_jax.train.policy import export_policy
+    from erpo_jax.runtime.distributed import to_host
+    t = Trainer(cfg)
+    seen = {}
+    build = t._rl_batch
+
+    def recording(s):
+        out = build(s)
+        if s == step:
+            export_policy(to_host(t.state.params), t.model_cfg, t.tokenizer, t.cfg, export_to)
+            seen["batch"] = out[0]
+        return out
+
+    t._rl_batch = recording
+    try:
+        assert t.run()["status"] == "done"
+    finally:
+        t.close()
+    return seen["batch"]
+
+
+@pytest.mark.parametrize("setting", ["dapo_adaptive_reward_kl", "gae"])
+def test_inspect_grads_builds_exactly_the_batch_the_trainer_trained_on(sft_model, tmp_path,
+                                                                      setting):
+    """DAPO (dynamic sampling padded, overlong shaping) with an adaptive
+    Policy-KL in the reward, at step 2: the prompts come from the iterator
+    position dynamic sampling reached, the shaping from the adapted
+    coefficient. GAE at step 0 (the inspector's critic is the Trainer's
+    step-0 critic). Every field of the inspector's batch equals the Trainer's."""
+    from erpo_jax.train.inspect_grads import inspect_run, run_batch
+    extra = {"dapo_adaptive_reward_kl": [
+        "rollout.group_size=4", "rollout.max_new_tokens=40", "algo.filter_groups=true",
+        "algo.filter_max_batches=3", "algo.filter_on_short=pad", "algo.overlong_buffer=30",
+        "loss.eps_high=0.28", "loss.beta_policy=0.05", "loss.policy_kl_mode=reward",
+        "loss.kl_target=0.001", "loss.kl_horizon=8", "optim.num_minibatches=2",
+        "train.steps=3"],
+        "gae": ["rollout.group_size=4", "rollout.max_new_tokens=40", "algo.advantage=gae",
+                "loss.beta_query=0.1", "train.steps=1"]}[setting]
+    step = 2 if setting.startswith("dapo") else 0
+    cfg = load_config(None, _rl(sft_model, tmp_path / "run", *extra))
+    policy = tmp_path / "policy"
+    want = _trainer_batch_at(cfg, step, policy)
+    got, info = run_batch(cfg, str(policy), reference=str(sft_model), step=step)
+    if setting.startswith("dapo"):
+        rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+                .splitlines()]
+        assert info["position"] == sum(int(r["filter/batches"]) for r in rows[:step]) > step
+        assert info["kl_coef"] == rows[step - 1]["kl_coef_next"] != 0.05
+    for name, a, b in zip(want._fields, want, got):
+        if a is None or b is None:
+            assert a is None and b is None, name
+            continue
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+    assert np.asarray(want.advantages).any()
+    rep = inspect_run(cfg, str(policy), reference=str(sft_model), step=step, queries=2)
+    assert f"step-{step} batch" in rep["source"]["batch"]

@@ -207,6 +207,7 @@ def _files(tmp_path):
     (tmp_path / "syntax.py").write_text("def get_config(:\n")
     (tmp_path / "no_cpu.py").write_text("from erpo_jax.train.config import RunConfig\n\n\n"
                                         "def get_config():\n    return RunConfig()\n")
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
     run = tmp_path / "sft_run"
     (run / "model").mkdir(parents=True)
     (run / "model" / "config.json").write_text("{}")
@@ -236,6 +237,24 @@ def _files(tmp_path):
      "is {d}/sft_run/model"),
     (["inspect-grads", "--config", "{d}/no_cpu.py", "--checkpoint", "{d}/sft_run"],
      "--checkpoint {d}/sft_run is a run directory"),
+    # Issue 49 item 8: --only naming no variant selected every variant; an unknown one exited 1.
+    (["sweep", "experiments/main_comparison.py", "--only", "", "--cpu", "--dry-run"],
+     "--only names no variant; give comma-separated variant names of main_comparison ("),
+    (["sweep", "experiments/main_comparison.py", "--only", ",", "--cpu", "--dry-run"],
+     "--only names no variant"),
+    (["sweep", "experiments/main_comparison.py", "--only", "nope", "--cpu", "--dry-run"],
+     "--only nope: not a variant of main_comparison"),
+    # Issue 49 item 8: eval with no evaluation set printed {} and exited 0.
+    (["eval", *RANDOM, "data.task=jsonl", "data.train_file={d}/train.jsonl"],
+     "config field data.eval_benchmarks: is empty, so this JSONL task has no evaluation set"),
+    # A model directory that is not there: named before a mesh is built.
+    (["eval", *RANDOM, "--checkpoint", "{d}/nowhere"],
+     "--checkpoint {d}/nowhere does not exist: it is not a model directory"),
+    (["train", *RANDOM, "model.init=sft", "model.path={d}/sft_run/model/sub"],
+     "config field model.path: {d}/sft_run/model/sub does not exist: it is not a model "
+     "directory"),
+    (["train", *RANDOM, "model.init=hf", "model.path={d}"],
+     "config field model.path: {d} has no config.json: it is not a model directory"),
 ])
 def test_bad_input_is_one_sentence_rc_2(tmp_path, capsys, monkeypatch, argv, says):
     d = _files(tmp_path)
@@ -381,3 +400,196 @@ def test_train_help_says_where_every_field_is_and_config_show_lists_them(tmp_pat
     assert "(resolves to 'static')" in shown["rollout.engine"]
     assert cli.main(["config", "--show", "train.stepz=3"]) == 2
     assert "config field train.stepz" in _err(capsys)
+
+
+# ----------------------------------------------------------------------------- issue 49
+
+
+def _tree(d):
+    """Every file under `d` with its bytes."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _one_sentence(capsys, command) -> str:
+    err = _err(capsys)
+    assert len(err.splitlines()) == 1 and err.startswith(f"erpo {command}: "), err
+    assert "Errno" not in err, err
+    return err
+
+
+def _fake_outputs(tmp_path):
+    """A demo (its marker and one run), a legacy demo (SUMMARY.md), a report, a
+    training run and a file, as the commands leave them."""
+    from erpo_jax.tools import demo
+    outs = {}
+    d = tmp_path / "demo"
+    _fake_run(d / "erpo")   # a --quick demo's run: 2 steps from the shipped reference
+    (d / "erpo" / "config.json").write_text(json.dumps(
+        {"name": "erpo", "train": {"steps": 2}, "model": {"path": str(demo.REFERENCE)}}))
+    (d / "erpo_output.json").write_text(json.dumps(
+        {"kind": "demo", "settings": {"quick": True, "reference": str(demo.REFERENCE)}}))
+    (d / "SUMMARY.md").write_text("# erpo-jax CPU demo\n")
+    (d / "eval_average.png").write_bytes(b"\x89PNG demo")
+    outs["demo"] = d
+    old = tmp_path / "old_demo"
+    old.mkdir()
+    (old / "SUMMARY.md").write_text("# erpo-jax CPU demo\n")
+    outs["old_demo"] = old
+    r = tmp_path / "report"
+    r.mkdir()
+    (r / "REPORT.md").write_text("# Report\n")
+    (r / "eval_average.png").write_bytes(b"\x89PNG report")
+    outs["report"] = r
+    _fake_run(tmp_path / "run")
+    outs["run"] = tmp_path / "run"
+    (tmp_path / "file").write_text("x")
+    outs["file"] = tmp_path / "file"
+    return outs
+
+
+def test_report_and_demo_refuse_another_things_directory_and_a_file(tmp_path, capsys,
+                                                                    monkeypatch):
+    """Issue 49 items 4 and 8: `erpo report --out DIR` where DIR held a demo replaced
+    its PNGs; `erpo demo --out DIR` wrote into a training run; `erpo demo --out
+    FILE` printed a raw errno naming a subpath. Each is refused in one sentence
+    naming what is there and the way out, before anything is written (rc 2);
+    --force writes over another kind of output, never over a training run."""
+    _no_model_built(monkeypatch)
+    monkeypatch.setattr(loop, "train", lambda *a, **k: 1 / 0)   # the demo must not start
+    outs = _fake_outputs(tmp_path)
+    src = tmp_path / "src" / "seed0"
+    _fake_run(src)
+    (src / "evals.jsonl").write_text(json.dumps({"step": 0, "sets": {},
+                                                 "average": {"greedy_acc": 0.1}}) + "\n")
+    before = {k: _tree(v) if v.is_dir() else v.read_bytes() for k, v in outs.items()}
+    for kind, says in (("demo", "holds a demo (erpo demo); give another --out, or pass --force"),
+                       ("old_demo", "holds a demo (erpo demo)"),
+                       ("run", "is a training run's directory, and a report (erpo report) "
+                               "never writes into a run; give another --out"),
+                       ("file", "is a file, not a directory; give another --out")):
+        assert cli.main(["report", str(src), "--out", str(outs[kind])]) == 2, kind
+        assert f"--out {outs[kind]} {says}" in _one_sentence(capsys, "report")
+    for kind, says in (("report", "holds a report (erpo report); give another --out, or pass "
+                                  "--force"),
+                       ("run", "is a training run's directory, and a demo (erpo demo) never "
+                               "writes into a run"),
+                       ("file", "is a file, not a directory; give another --out")):
+        assert cli.main(["demo", "--quick", "--out", str(outs[kind])]) == 2, kind
+        assert f"--out {outs[kind]} {says}" in _one_sentence(capsys, "demo")
+    assert cli.main(["demo", "--quick", "--out", str(outs["run"]), "--force"]) == 2
+    _one_sentence(capsys, "demo")
+    now = {k: _tree(v) if v.is_dir() else v.read_bytes() for k, v in outs.items()}
+    assert now == before
+    # Where overwriting is what the user means.
+    assert cli.main(["report", str(src), "--out", str(outs["demo"]), "--force"]) == 0
+    assert (outs["demo"] / "REPORT.md").is_file()
+    capsys.readouterr()
+
+
+def test_a_demo_after_a_quick_demo_names_what_demo_takes(tmp_path, capsys, monkeypatch):
+    """Issue 49 item 8: `erpo demo --out DIR` after a `--quick` demo there told the
+    user to set train.allow_config_change or train.out_dir, which `erpo demo`
+    does not take. Refused before any run starts, naming the demo there and
+    what demo takes; the same demo again is reused; --force starts it over."""
+    import shutil
+
+    from erpo_jax.tools import demo
+    ran = []
+    monkeypatch.setattr(loop, "train", lambda cfg, **k: ran.append(cfg) or 1 / 0)
+    outs = _fake_outputs(tmp_path)
+    d = outs["demo"]
+    before = _tree(d)
+    assert cli.main(["demo", "--out", str(d)]) == 2
+    err = _one_sentence(capsys, "demo")
+    assert f"--out {d} holds a --quick demo, and this is a full demo; give another --out, " \
+           "or pass --force to replace it (erpo demo takes --out DIR, --quick, " \
+           "--rebuild-reference and --force)" in err
+    assert "allow_config_change" not in err and "train.out_dir" not in err
+    assert not ran and _tree(d) == before
+    # A demo written before the marker: its runs' config.json say what it was.
+    old = tmp_path / "legacy"
+    shutil.copytree(d, old)
+    (old / "erpo_output.json").unlink()
+    assert cli.main(["demo", "--out", str(old)]) == 2
+    assert "holds a --quick demo, and this is a full demo" in _one_sentence(capsys, "demo")
+    # The same demo again is what it resumes (the runs start: here, the stub fails).
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["demo", "--quick", "--out", str(d)])
+    assert len(ran) == 1 and ran[0].train.out_dir == str(d / demo.METHODS[0])
+    # --force: the old demo's runs are deleted, the new demo recorded.
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["demo", "--out", str(d), "--force"])
+    assert not (d / "erpo").exists()
+    assert json.loads((d / "erpo_output.json").read_text())["settings"]["quick"] is False
+
+
+def test_eval_refuses_an_out_holding_other_settings_or_another_thing(sft_model, tmp_path,
+                                                                     capsys, monkeypatch):
+    """Issue 49 item 4: `erpo eval ... --out DIR`, where DIR held an eval made with
+    other settings (eval_n=4), replaced its pass@k results with greedy-only ones.
+    Refused naming the settings that differ (rc 2), as are a demo's and a
+    report's directories; --force replaces the evaluation."""
+    from erpo_jax.train.config import load_config
+    out = tmp_path / "eval"
+    four = load_config(None, [*TINY, "train.eval_n=4", "train.eval_k=1,4"])
+    held = {"model": str(sft_model), "settings": cli._eval_settings(four)}
+    out.mkdir()
+    rundir.write_json(out / "eval_config.json", held)
+    (out / "evals.jsonl").write_text(json.dumps({"step": 0, "average": {"pass@4": 0.5}}) + "\n")
+    before = _tree(out)
+    outs = _fake_outputs(tmp_path)
+    base = ["eval", "--checkpoint", str(sft_model), *TINY]
+    assert cli.main([*base, "--out", str(out)]) == 2
+    err = _one_sentence(capsys, "eval")
+    assert f"--out {out} holds an evaluation (erpo eval) made with other settings (" in err
+    assert "eval_k: [1, 4] -> [1]" in err and "eval_n: 4 -> 1" in err
+    assert "give another --out, or pass --force to replace it" in err
+    assert _tree(out) == before
+    for kind in ("demo", "report"):
+        assert cli.main([*base, "--out", str(outs[kind])]) == 2
+        assert f"--out {outs[kind]} holds a {kind} (erpo {kind})" in _one_sentence(capsys,
+                                                                                   "eval")
+    assert cli.main([*base, "--out", str(out), "--force"]) == 0
+    capsys.readouterr()
+    assert rundir.read_json(out / "eval_config.json")["settings"]["eval_n"] == 1
+    assert [r["step"] for r in rundir.read_jsonl(out / "evals.jsonl")] == [0]
+    assert "pass@4" not in rundir.read_jsonl(out / "evals.jsonl")[0]["average"]
+    # The same settings again: reused, no --force needed.
+    assert cli.main([*base, "--out", str(out)]) == 0
+    capsys.readouterr()
+
+
+def test_plan_refuses_an_infinite_length_distribution(capsys):
+    """Issue 49 item 8: `erpo plan --lengths lognormal:800:inf` was accepted and
+    estimated from degenerate lengths. Refused in one sentence, rc 2."""
+    from erpo_jax.tools import plan
+    from erpo_jax.train.config import ConfigError
+    for spec in ("lognormal:800:inf", "lognormal:inf:0.8", "lognormal:800:1e400"):
+        with pytest.raises(ConfigError, match=r"is no length distribution: .*finite"):
+            plan.sample_lengths(spec, 4, 8)
+    assert plan.sample_lengths("lognormal:800:0.8", 4, 2000).min() >= 1
+    if plan.libtpu_missing():
+        pytest.skip(plan.libtpu_missing())
+    assert cli.main(["plan", "--topology", "v5e-4", "--lengths", "lognormal:800:inf",
+                     "model.init=random", "model.preset=tiny"]) == 2
+    got = capsys.readouterr()
+    assert got.out == "" and len(got.err.strip().splitlines()) == 1
+    assert got.err.startswith("erpo plan: --lengths 'lognormal:800:inf' is no length "
+                              "distribution")
+
+
+def test_a_relative_model_path_outside_the_repo_names_model_path(tmp_path, capsys,
+                                                                 monkeypatch):
+    """Issue 49 item 8: `main_comparison --cpu` run outside the repo said
+    'runs/sft-arith/model: no config.json' without naming model.path, after
+    building the mesh. Refused first, naming the field and where a relative
+    path is read from."""
+    import pathlib
+    exp = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "main_comparison.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(startup, "build_sharding", lambda cfg: 1 / 0)
+    assert cli.main(["train", "--config", str(exp), "--cpu"]) == 2
+    err = _one_sentence(capsys, "train")
+    assert err.startswith("erpo train: config field model.path: runs/sft-arith/model does "
+                          f"not exist, read from the current directory {tmp_path}")
+    assert list(tmp_path.iterdir()) == []

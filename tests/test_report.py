@@ -215,3 +215,62 @@ def test_every_table_is_valid_markdown_with_or_without_evaluations(runs, evals):
     md = report.write_report(dirs, root / "out", comparisons=[("erpo", "grpo+policy_kl")]
                              ).read_text()
     assert _check_tables(md) >= 3
+
+
+# ----------------------------------------------------------------------------- issue 49
+
+
+def _full_config(name, seed, out_dir, *overrides):
+    """A resolved config as `erpo train` saves it (config.json), with its data_rows."""
+    from erpo_jax.train.config import config_dict, load_config
+    from erpo_jax.train.methods import resolve_method
+    cfg = config_dict(resolve_method(load_config(None, [f"train.seed={seed}",
+                                                        f"train.out_dir={out_dir}",
+                                                        *overrides])))
+    return {**cfg, "name": name, "data_rows": {"train": 4000, "held_out": {}, "dropped": {},
+                                               "eval": {"add": 10}}}
+
+
+def _run_with_config(path, cfg, accs=(0.5, 0.6)):
+    _write_run(path, cfg["name"], cfg["train"]["seed"],
+               [(0, dict(zip(SETS, accs))), (4, dict(zip(SETS, accs)))],
+               [0.01] * 4, [0.5] * 4)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_runs_are_seeds_of_one_method_only_when_their_configs_differ_in_the_seed_alone(
+        tmp_path, capsys):
+    """Issue 49 item 5: `erpo report runs/a runs/b` of plain GRPO and ERPO + DAPO,
+    both seed 0 and both named 'run' (any two CLI runs without --config), printed
+    one method with 'seeds 2'. They are two methods, named by the fields that
+    differ; seeds of one config (with their own out_dir, progress bar and
+    data_rows) are one method; the same config and seed twice is refused."""
+    from erpo_jax import cli
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run_with_config(a, _full_config("run", 0, a))
+    _run_with_config(b, _full_config("run", 0, b, "algo.method=erpo", "algo.filter_groups=true",
+                                     "loss.eps_high=0.28"))
+    md = report.write_report([a, b], tmp_path / "out").read_text()
+    rows = [x for x in md.splitlines() if x.startswith("| run")]
+    label_a = ("run (algo.filter_groups=false, algo.method=custom, algo.weight_scheme=uniform, "
+               "loss.beta_query=0.0, loss.eps_high=0.2)")
+    label_b = ("run (algo.filter_groups=true, algo.method=erpo, algo.weight_scheme=likelihood, "
+               "loss.beta_query=0.1, loss.eps_high=0.28)")
+    assert _cells(md, label_a)[1] == "1" and _cells(md, label_b)[1] == "1"
+    assert not any(r.startswith("| run |") for r in rows)
+    assert "The runs named 'run' differ in more than the seed (algo.filter_groups" in md
+    # Seeds: only the seed, out_dir, progress and the recorded data_rows differ.
+    c = tmp_path / "c"
+    cfg = _full_config("run", 1, c, "train.progress=false")
+    cfg["data_rows"]["train"] = 3999
+    _run_with_config(c, cfg)
+    md = report.write_report([a, c], tmp_path / "out2").read_text()
+    assert _cells(md, "run")[1] == "2" and "differ in more than" not in md
+    # The same method and seed twice cannot be two seeds: rc 2, naming both.
+    d = tmp_path / "d"
+    _run_with_config(d, _full_config("run", 0, d))
+    assert cli.main(["report", str(a), str(d), "--out", str(tmp_path / "out3")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"{a} and {d} are both seed 0 of the same method (run)" in err
+    assert not (tmp_path / "out3").exists()

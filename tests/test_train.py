@@ -157,7 +157,7 @@ def test_reference_model_is_never_run_without_policy_kl(sft_model, tmp_path):
 
 
 def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0,
-                 response_width=None, temperature=1.0, share_query=False):
+                 response_width=None, temperature=1.0, share_query=False, **loss):
     from erpo_jax.model import model as M
     from erpo_jax.model.config import ModelConfig
     from erpo_jax.rl.synthetic import synthetic_batch
@@ -167,7 +167,8 @@ def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0,
     params = M.init_params(cfg, jax.random.key(0))
     batch = synthetic_batch(params, cfg, 0, num_queries=4, group_size=2, query_width=6,
                             response_width=6, with_ref_logp=True)
-    loss_cfg = LossConfig(beta_policy=0.05, beta_query=0.1, entropy_coef=0.01)
+    loss_cfg = LossConfig(**{"beta_policy": 0.05, "beta_query": 0.1, "entropy_coef": 0.01,
+                             **loss})
     import optax
     tx, schedule = S.make_optimizer(OptimSection(lr=1e-2, warmup_steps=warmup_steps), 10)
     if sgd:
@@ -180,12 +181,29 @@ def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0,
     return params, state, upd, batch
 
 
-def test_micro_batch_accumulation_is_exact():
+# Every policy loss; the covariance ones with a band and a share wide enough
+# that each selects many tokens (a per-micro-batch selection, count or draw
+# would then differ from the mini-batch's).
+PG_LOSSES = {"ppo_clip": {}, "clip_cov": {"clip_cov_ratio": 0.3, "clip_cov_lb": -10.0,
+                                          "clip_cov_ub": 10.0},
+             "kl_cov": {"kl_cov_ratio": 0.3}}
+
+
+def test_every_policy_loss_is_listed_for_the_accumulation_test():
+    from erpo_jax.rl.policy_losses import POLICY_LOSSES
+    assert sorted(PG_LOSSES) == sorted(POLICY_LOSSES)
+
+
+@pytest.mark.parametrize("pg_loss", sorted(PG_LOSSES))
+def test_micro_batch_accumulation_is_exact(pg_loss):
     # Plain SGD with lr 1: the parameter change is exactly the accumulated gradient.
-    _, s1, upd1, batch = _tiny_update(1, sgd=True)
-    _, s2, upd2, _ = _tiny_update(4, sgd=True)
+    loss = {"pg_loss": pg_loss, **PG_LOSSES[pg_loss]}
+    _, s1, upd1, batch = _tiny_update(1, sgd=True, **loss)
+    _, s2, upd2, _ = _tiny_update(4, sgd=True, **loss)
     n1, m1 = upd1(s1, batch, None)
     n2, m2 = upd2(s2, batch, None)
+    if pg_loss != "ppo_clip":
+        assert float(m1["cov_selected_frac"]) > 0.2
     assert abs(float(m1["loss"]) - float(m2["loss"])) < 1e-6
     assert abs(float(m1["grad_norm"]) - float(m2["grad_norm"])) < 1e-5
     for a, b in zip(jax.tree_util.tree_leaves(n1.params), jax.tree_util.tree_leaves(n2.params)):

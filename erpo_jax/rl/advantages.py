@@ -1,4 +1,7 @@
-"""Advantage estimators, chosen by name from a small registry.
+"""The advantage estimators' formulas, as pure functions of rewards (and, for
+GAE, a critic's values). Choosing one by name, and what the trainer must know
+about each, is the registry's (`erpo_jax.rl.estimators`, the only list of
+estimators); this module imports nothing from the package.
 
 Outcome estimators take one reward per response, `rewards: float32[B, G]`
 (B queries, G responses each; or float32[B*G] with `group_size=G`, rows
@@ -25,14 +28,13 @@ advantages that are exactly 0.0 (not merely small), and never NaN.
 
 `gae` is the PPO estimator: per token, from per-token rewards and a learned
 critic's values (`critic.py`); it returns (advantages, returns), both
-float32[N, T-1]. Only estimators with `needs_critic(name)` create a critic.
+float32[N, T-1]. Only estimators registered with `needs_critic=True`
+(`estimators.get(name).needs_critic`) create a critic.
 
 All arithmetic is float32.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -222,40 +224,3 @@ def outcome_to_token_rewards(rewards: jax.Array, response_mask: jax.Array) -> ja
     last = T - 1 - jnp.argmax(m[:, ::-1], axis=-1)
     at_last = (jnp.arange(T)[None, :] == last[:, None]) & m
     return jnp.where(at_last, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)
-
-
-# The outcome formulas by name (the raw functions above); the trainer's registry
-# of estimators, with their properties, is `erpo_jax.rl.estimators`.
-OUTCOME_ESTIMATORS: dict[str, Callable[..., jax.Array]] = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "rloo": rloo,
-    "reinforce": reinforce,
-    "reinforce_pp": reinforce_pp,
-}
-
-
-def get_estimator(name: str) -> Callable:
-    """The outcome formula of the registered estimator `name` (ValueError for
-    an unknown name; for 'gae' the per-token `gae`)."""
-    from erpo_jax.rl import estimators
-    estimators.get(name)
-    return gae if name == "gae" else OUTCOME_ESTIMATORS[name]
-
-
-def needs_critic(name: str) -> bool:
-    """True for estimators that need a learned value function (PPO's GAE)."""
-    from erpo_jax.rl import estimators
-    return estimators.get(name).needs_critic
-
-
-def compute_advantages(name: str, rewards, group_size: int | None = None, **kwargs) -> jax.Array:
-    """Outcome advantages float32[B, G] from rewards [B, G] (or [B*G] with group_size).
-
-    kwargs go to the estimator (e.g. eps for grpo, group_baseline for
-    reinforce_pp). For 'gae' call `gae` directly: it needs the critic's values.
-    """
-    if needs_critic(name):
-        raise ValueError(f"{name!r} is per-token and needs critic values; call "
-                         "advantages.gae(...) with token rewards, values and the response mask.")
-    return get_estimator(name)(rewards, group_size, **kwargs)

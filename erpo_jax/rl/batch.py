@@ -76,7 +76,8 @@ def masks_from_layout(attn_mask, query_width: int):
 
 
 def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
-                   response_width: int | None = None, group_size: int = 1) -> None:
+                   response_width: int | None = None, group_size: int = 1,
+                   allow_empty: bool = False) -> None:
     """Check a batch on the host (numpy values) before it enters the jitted loss.
 
     Raises ValueError with a sentence naming the field on: mismatched shapes
@@ -88,7 +89,9 @@ def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
     `response_width` relies on); with `group_size` G > 1 (and
     `response_width`), rows that are not consecutive groups of G repeating
     one query (the same tokens and mask before the response columns, what
-    an update that runs each group's query once relies on). The jitted loss
+    an update that runs each group's query once relies on). allow_empty: a
+    batch without response tokens passes (a dynamic-sampling step padded
+    with flat groups only, whose update is skipped). The jitted loss
     only checks shapes (values are unknown at trace time) and is written to
     stay NaN-free on whatever passes here.
     """
@@ -153,7 +156,7 @@ def validate_batch(batch: RLBatch, *, needs_ref_logp: bool = False,
             raise ValueError("validate_batch: group_size > 1 needs response_width (the query "
                              "is the columns before the response).")
         check_groups(tokens, attn, group_size, T - response_width)
-    if not r.any():
+    if not r.any() and not allow_empty:
         raise ValueError("RLBatch.response_mask has no response tokens; there is nothing to "
                          "train on (drop this batch).")
 

@@ -1,7 +1,8 @@
 """PPO's critic: a value head on its own copy of the model trunk.
 
-Only the `gae` advantage estimator needs it (`advantages.needs_critic`);
-GRPO, RLOO and the REINFORCE variants never create one. The critic is the
+Only the `gae` advantage estimator needs it (its registry entry says
+`needs_critic`, `rl/estimators.py`); GRPO, RLOO and the REINFORCE variants
+never create one. The critic is the
 same model function as the policy with a separate parameter pytree (and so
 its own optimizer state in the trainer):
 

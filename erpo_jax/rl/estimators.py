@@ -13,10 +13,14 @@ and its function `advantages(shaped, response_mask, algo, group_size)`:
 shaped is float32[R] (outcome) or float32[R, T-1] (token level), query-major
 groups of `group_size`; it returns float32[R] or float32[R, T-1]. A critic
 estimator has no such function: the trainer calls `advantages.gae` with the
-critic's values.
+critic's values. `formula` is the entry's pure function in `rl/advantages.py`
+(`grpo`, ..., `gae`), which `compute_advantages(name, rewards)` calls.
 
-A new estimator: a module that calls `register_estimator(Estimator(...))`,
-imported at the end of this file. The formulas live in `rl/advantages.py`.
+This is the one list of estimators and the one look-up by name (`get`,
+`compute_advantages`); `rl/advantages.py` holds only the formulas and does
+not import this module. A new estimator: its formula in `rl/advantages.py`
+(or its own module) and a `register_estimator(Estimator(...))` call, here or
+in a module imported at the end of this file.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Estimator:
     min_group: int = 1
     level_of: Callable[[Any], str] | None = None
     doc: str = ""
+    formula: Callable[..., Any] | None = None
 
     def __post_init__(self):
         if self.level not in LEVELS:
@@ -63,6 +68,20 @@ def get(name: str) -> Estimator:
     return ESTIMATORS.get_entry(name)
 
 
+def compute_advantages(name: str, rewards, group_size: int | None = None, **kwargs):
+    """Outcome advantages float32[B, G] of the registered estimator `name`, from
+    rewards [B, G] (or [B*G] with group_size), by its formula in
+    `rl/advantages.py`; kwargs go to the formula (e.g. eps for grpo,
+    group_baseline for reinforce_pp). ValueError for an unknown name, and for
+    a critic estimator ('gae': call `advantages.gae` with the critic's values).
+    """
+    est = get(name)
+    if est.needs_critic or est.formula is None:
+        raise ValueError(f"{name!r} is per-token and needs critic values; call "
+                         "advantages.gae(...) with token rewards, values and the response mask.")
+    return est.formula(rewards, group_size, **kwargs)
+
+
 def _grouped(fn, with_eps: bool):
     def advantages(shaped, response_mask, algo, group_size):
         kw = {"eps": algo.adv_eps} if with_eps else {}
@@ -77,17 +96,21 @@ def _reinforce_pp(shaped, response_mask, algo, group_size):
 
 
 register_estimator(Estimator("grpo", _grouped(adv.grpo, True), min_group=2,
-                             doc="(r - group mean) / (group std + eps)"))
+                             doc="(r - group mean) / (group std + eps)", formula=adv.grpo))
 register_estimator(Estimator("dr_grpo", _grouped(adv.dr_grpo, False),
-                             doc="r - group mean (Dr. GRPO)"))
+                             doc="r - group mean (Dr. GRPO)", formula=adv.dr_grpo))
 register_estimator(Estimator("rloo", _grouped(adv.rloo, False), min_group=2,
-                             doc="r - mean of the other responses of the group"))
+                             doc="r - mean of the other responses of the group",
+                             formula=adv.rloo))
 register_estimator(Estimator("reinforce", _grouped(adv.reinforce, False), min_group=2,
-                             doc="r - group mean (REINFORCE with a group baseline)"))
+                             doc="r - group mean (REINFORCE with a group baseline)",
+                             formula=adv.reinforce))
 register_estimator(Estimator(
     "reinforce_pp", _reinforce_pp, level="token",
     level_of=lambda a: "token" if a.reinforce_pp_whiten == "token" else "outcome",
     doc="REINFORCE++: returns whitened over the batch's response tokens "
-        "(algo.reinforce_pp_whiten='response': over its responses)"))
+        "(algo.reinforce_pp_whiten='response': over its responses)",
+    formula=adv.reinforce_pp))
 register_estimator(Estimator("gae", None, level="token", needs_critic=True,
-                             doc="PPO's GAE with a learned critic (algo.gamma, algo.lam)"))
+                             doc="PPO's GAE with a learned critic (algo.gamma, algo.lam)",
+                             formula=adv.gae))

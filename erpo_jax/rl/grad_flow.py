@@ -15,7 +15,10 @@ float32), so use it on small batches.
 
 `add_parser(subparsers)` + `run(args)` are the `erpo inspect-grads` command;
 `main(argv)` runs it standalone. Without a checkpoint it builds a tiny random
-model and a synthetic batch.
+model and a synthetic batch. Its lists come from the registries: a flag per
+registered term's coefficient, `--pg-loss` choices from the policy losses,
+and `--unit` sets every term's coefficient, so a new term or policy loss is
+in all of them without an edit here.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ import jax.numpy as jnp
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import PRESETS, ModelConfig
 from erpo_jax.rl.batch import RLBatch
+from erpo_jax.rl.kl import ESTIMATORS as KL_ESTIMATORS
 from erpo_jax.rl.loss import LossConfig, loss_terms, stats_from_logits
-from erpo_jax.rl.terms import TERMS
+from erpo_jax.rl.policy_losses import POLICY_LOSSES
+from erpo_jax.rl.query_kl import LOSS_ESTIMATORS as QUERY_KL_ESTIMATORS
+from erpo_jax.rl.terms import AGG_MODES, TERMS
 
 
 def rows() -> tuple[str, ...]:
@@ -43,11 +49,28 @@ def rows() -> tuple[str, ...]:
     return tuple(TERMS) + ("total",)
 
 
+def coefficient_fields() -> tuple[str, ...]:
+    """The LossConfig fields of the registered terms' coefficients, in registry
+    order, each once (the PG term, always on, has none)."""
+    return tuple(dict.fromkeys(t.coef for t in TERMS.values() if t.coef is not None))
+
+
 def unit_coefficients(cfg: LossConfig, has_ref_logp: bool) -> LossConfig:
-    """The config with every regulariser's coefficient set to 1 (Policy-KL only if
-    reference response log-probs exist), to compare raw gradient directions."""
-    return dataclasses.replace(cfg, beta_policy=1.0 if has_ref_logp else 0.0, beta_query=1.0,
-                               entropy_coef=1.0, policy_kl_mode="loss", kl_target=0.0)
+    """The config with every registered term's coefficient set to 1, to compare
+    raw gradient directions: a term that reads the reference response log-probs
+    (Policy-KL) only if they exist (else 0), Policy-KL in the loss and at a
+    fixed coefficient. ValueError if a term that gets 1 is still off (its
+    `active` reads more than its coefficient: say here what turns it on)."""
+    unit = {t.coef: 0.0 if "ref_logp" in t.needs and not has_ref_logp else 1.0
+            for t in TERMS.values() if t.coef is not None}
+    out = dataclasses.replace(cfg, **unit, policy_kl_mode="loss", kl_target=0.0)
+    off = [t.name for t in TERMS.values()
+           if t.coef is not None and unit[t.coef] > 0 and not t.is_on(out)]
+    if off:
+        raise ValueError(f"unit coefficients leave the terms {off} off: their coefficient "
+                         "alone does not turn them on (set what does in "
+                         "grad_flow.unit_coefficients).")
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg_model", "loss_cfg", "temperature"))
@@ -213,27 +236,54 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-width", type=int, default=8, help="synthetic batch")
     p.add_argument("--response-width", type=int, default=8, help="synthetic batch")
     p.add_argument("--temperature", type=float, default=1.0, help="synthetic batch")
-    # The synthetic batch's loss (None: the default in SYNTHETIC_LOSS); a run's
-    # loss comes from its config instead.
-    p.add_argument("--beta-policy", type=float, default=None)
-    p.add_argument("--beta-query", type=float, default=None)
-    p.add_argument("--entropy-coef", type=float, default=None)
-    p.add_argument("--policy-kl-estimator", default=None, choices=("k1", "k2", "k3"))
-    p.add_argument("--query-kl-estimator", default=None, choices=("k2", "k3"))
-    p.add_argument("--agg-mode", default=None,
-                   choices=("token_mean", "seq_mean_token_mean", "seq_sum_norm"))
+    # The synthetic batch's loss (None: the default in synthetic_loss()); a run's
+    # loss comes from its config instead. One flag per registered term's
+    # coefficient, in registry order.
+    defaults = synthetic_loss()
+    for field in coefficient_fields():
+        names = " and ".join(t.name for t in TERMS.values() if t.coef == field)
+        p.add_argument("--" + field.replace("_", "-"), type=float, default=None,
+                       help=f"the {names} term's coefficient (synthetic batch default "
+                            f"{defaults[field]:g})")
+    p.add_argument("--policy-kl-estimator", default=None, choices=tuple(KL_ESTIMATORS))
+    p.add_argument("--query-kl-estimator", default=None, choices=tuple(QUERY_KL_ESTIMATORS))
+    p.add_argument("--agg-mode", default=None, choices=AGG_MODES)
     p.add_argument("--seq-sum-norm-const", type=float, default=None)
-    p.add_argument("--pg-loss", default=None, choices=("ppo_clip", "clip_cov", "kl_cov"),
+    p.add_argument("--pg-loss", default=None, choices=tuple(POLICY_LOSSES),
                    help="the PG term's surrogate (rl/policy_losses/)")
     p.add_argument("--unit", action="store_true",
-                   help="set every regulariser's coefficient to 1 (compare directions)")
+                   help="set every registered term's coefficient to 1 (compare directions)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
 
 
-SYNTHETIC_LOSS = dict(beta_policy=0.05, beta_query=0.1, entropy_coef=0.01,
-                      policy_kl_estimator="k3", query_kl_estimator="k3", agg_mode="token_mean",
-                      seq_sum_norm_const=None, pg_loss="ppo_clip")
-LOSS_FLAGS = tuple(SYNTHETIC_LOSS)
+# The synthetic batch's coefficients of the terms registered when it was
+# written; a term registered since gets SYNTHETIC_COEF, so it is on there too.
+_SYNTHETIC_COEFS = dict(beta_policy=0.05, beta_query=0.1, entropy_coef=0.01)
+SYNTHETIC_COEF = 0.1
+_SYNTHETIC_REST = dict(policy_kl_estimator="k3", query_kl_estimator="k3", agg_mode="token_mean",
+                       seq_sum_norm_const=None, pg_loss="ppo_clip")
+
+
+def synthetic_loss() -> dict:
+    """The synthetic batch's LossConfig fields: every registered term's
+    coefficient (registry order), then the estimators, aggregation and PG loss."""
+    coefs = {f: _SYNTHETIC_COEFS.get(f, SYNTHETIC_COEF) for f in coefficient_fields()}
+    return {**coefs, **_SYNTHETIC_REST}
+
+
+def loss_flags() -> tuple[str, ...]:
+    """The synthetic batch's loss flags (argparse dests), one per synthetic_loss() field."""
+    return tuple(synthetic_loss())
+
+
+def __getattr__(name: str):
+    # SYNTHETIC_LOSS and LOSS_FLAGS are read from the registry when asked for,
+    # so a term registered after this module's import is in them.
+    if name == "SYNTHETIC_LOSS":
+        return synthetic_loss()
+    if name == "LOSS_FLAGS":
+        return loss_flags()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -250,8 +300,8 @@ def run(args: argparse.Namespace) -> dict:
     else:
         cfg_model = PRESETS[args.preset]
         params = random_params(cfg_model, args.seed)
-    kw = {f: SYNTHETIC_LOSS[f] if getattr(args, f, None) is None else getattr(args, f)
-          for f in LOSS_FLAGS}
+    kw = {f: default if getattr(args, f, None) is None else getattr(args, f)
+          for f, default in synthetic_loss().items()}
     if kw["agg_mode"] == "seq_sum_norm" and kw["seq_sum_norm_const"] is None:
         kw["seq_sum_norm_const"] = float(args.response_width)
     try:

@@ -30,6 +30,8 @@ response tokens; `batch.validate_batch` rejects such a batch on the host.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -45,6 +47,21 @@ from erpo_jax.rl.query_kl import check_loss_estimator
 from erpo_jax.rl.terms import AGG_MODES, TERMS, LossInputs, aggregate  # noqa: F401
 
 POLICY_KL_MODES = ("loss", "reward")
+
+# While set, LossConfig does not check itself when built: a config that is
+# assembled field by field (command-line overrides in any order, a JSON file,
+# the method's resolution) is checked once, whole (`train.config.validate`).
+_DEFERRED = contextvars.ContextVar("erpo_loss_config_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred_validation():
+    """Build LossConfigs without their checks inside; the caller checks the result."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +90,15 @@ class LossConfig:
       2e-4, 1, 5).
     kl_cov_ratio, kl_cov_coef: KL-Cov's fraction of tokens penalised and the
       coefficient of |log r| on them (the paper's 2e-3, 1).
+    kl_cov_tol: KL-Cov's penalty is 0, with no gradient, where |log r| is at
+      most this: log r against the sampler's log-probs is rounding on the
+      first pass (rl/policy_losses/kl_cov.py).
     kl_target: > 0 makes beta_policy adaptive (rl/kl_control.py): its initial
       value is beta_policy, and after each update it moves toward this
       Policy-KL; 0 = a fixed beta_policy.
-    kl_horizon: the adaptive controller's horizon in samples (a coefficient
-      changes by at most 20% per kl_horizon samples).
+    kl_horizon: the adaptive controller's horizon in samples: one update on
+      n samples changes the coefficient by at most 20% * min(n / kl_horizon, 1)
+      (rl/kl_control.py; the cap keeps it positive).
     """
 
     eps_low: float = 0.2
@@ -98,11 +119,13 @@ class LossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 2e-3
     kl_cov_coef: float = 1.0
+    kl_cov_tol: float = 1e-4
     kl_target: float = 0.0
     kl_horizon: float = 10000.0
 
     def __post_init__(self):
-        self.validate()
+        if not _DEFERRED.get():
+            self.validate()
 
     def validate(self) -> None:
         """Raise ValueError with a sentence naming the field when inconsistent."""
@@ -112,7 +135,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.eps_high must be >= 0, got {self.eps_high}.")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"LossConfig.dual_clip must be None or > 1, got {self.dual_clip}.")
-        for name in ("beta_policy", "beta_query", "entropy_coef"):
+        coefs = dict.fromkeys(t.coef for t in TERMS.values() if t.coef is not None)
+        for name in coefs:   # every registered term's coefficient
             if getattr(self, name) < 0:
                 raise ValueError(f"LossConfig.{name} must be >= 0, got {getattr(self, name)}.")
         if self.policy_kl_estimator not in KL_ESTIMATORS:
@@ -141,13 +165,14 @@ class LossConfig:
         if self.kl_target < 0:
             raise ValueError(f"LossConfig.kl_target must be >= 0 (0 = a fixed beta_policy), got "
                              f"{self.kl_target}.")
+        if not self.kl_horizon > 0:
+            raise ValueError(f"LossConfig.kl_horizon must be > 0 (samples), got "
+                             f"{self.kl_horizon}.")
         if self.kl_target > 0:
             if not self.beta_policy > 0:
                 raise ValueError(f"LossConfig.kl_target={self.kl_target} adapts beta_policy, "
                                  "which is 0 (Policy-KL off); set beta_policy to the initial "
                                  "coefficient.")
-            if not self.kl_horizon > 0:
-                raise ValueError(f"LossConfig.kl_horizon must be > 0, got {self.kl_horizon}.")
         for term in TERMS.values():
             if term.check is not None:
                 term.check(self)
@@ -216,7 +241,24 @@ def _check_shapes(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig) -> None
                              f"expected {(N,)}.")
 
 
-def loss_terms(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, coef=None, key=None):
+def _inputs(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, coef, key,
+            selected) -> LossInputs:
+    """The LossInputs every term reads (float32 statistics, bool masks)."""
+    rm = batch.response_mask.astype(bool)
+    coef = dict(coef or {})
+    if key is None and cfg.needs_key:
+        key = jax.random.key(0)
+    return LossInputs(
+        logp=stats.logp.astype(jnp.float32), entropy=stats.entropy.astype(jnp.float32),
+        logp_t1=stats.logp_t1.astype(jnp.float32), batch=batch, cfg=cfg, rm=rm,
+        qm=batch.query_mask.astype(bool),
+        agg=lambda x: aggregate(x, rm, cfg.agg_mode, cfg.seq_sum_norm_const),
+        coef=lambda name: coef[name] if name in coef else getattr(cfg, name), key=key,
+        selected=selected)
+
+
+def loss_terms(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, coef=None, key=None,
+               selected=None):
     """(terms, metrics): each term as it enters the loss (coefficient and sign included).
 
     terms: dict over TERMS (the registered terms, `erpo_jax/rl/terms/`) of
@@ -226,18 +268,12 @@ def loss_terms(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, coef=No
     coef: {LossConfig field: value} overriding coefficients (the update passes
       the adaptive Policy-KL coefficient, a traced float32[]).
     key: PRNG key for a policy loss that draws (clip_cov); default key(0).
+    selected: bool[N, T-1], the policy loss's token selection made over a
+      larger batch (the update's mini-batch); None: made on this batch.
     """
     _check_shapes(stats, batch, cfg)
-    rm = batch.response_mask.astype(bool)
-    coef = dict(coef or {})
-    if key is None and cfg.needs_key:
-        key = jax.random.key(0)
-    inputs = LossInputs(
-        logp=stats.logp.astype(jnp.float32), entropy=stats.entropy.astype(jnp.float32),
-        logp_t1=stats.logp_t1.astype(jnp.float32), batch=batch, cfg=cfg, rm=rm,
-        qm=batch.query_mask.astype(bool),
-        agg=lambda x: aggregate(x, rm, cfg.agg_mode, cfg.seq_sum_norm_const),
-        coef=lambda name: coef[name] if name in coef else getattr(cfg, name), key=key)
+    inputs = _inputs(stats, batch, cfg, coef, key, selected)
+    rm = inputs.rm
     zero = jnp.zeros((), jnp.float32)
     terms, metrics = {}, {}
     for name, term in TERMS.items():
@@ -254,6 +290,17 @@ def loss_terms(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, coef=No
     return terms, metrics
 
 
+def loss_selection(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, coef=None,
+                   key=None):
+    """bool[N, T-1] or None: the tokens the policy loss (loss.pg_loss) singles
+    out on this whole batch, what `loss_terms(..., selected=)` takes for its
+    parts (None when the policy loss selects nothing)."""
+    from erpo_jax.rl.terms.pg import selection
+    if get_policy_loss(cfg.pg_loss).select is None:
+        return None
+    return selection(_inputs(stats, batch, cfg, coef, key, None))
+
+
 def loss_from_stats(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, coef=None,
                     key=None):
     """(loss float32[], metrics dict of float32[]) from per-token policy statistics.
@@ -268,8 +315,8 @@ def loss_from_stats(stats: TokenLogprobs, batch: RLBatch, cfg: LossConfig, *, co
     entropy (token mean over response tokens); clip_frac (response tokens
     where the ratio clip is active); ratio_mean/min/max over response tokens;
     approx_kl_old (k3 between the sampling and current policy); response_tokens;
-    dual_clip_frac when dual_clip is set; cov_selected_frac and cov_mean
-    under clip_cov / kl_cov; whatever else a registered term reports.
+    dual_clip_frac when dual_clip is set; cov_selected_frac under
+    clip_cov / kl_cov; whatever else a registered term reports.
     coef, key: as `loss_terms`.
     """
     terms, metrics = loss_terms(stats, batch, cfg, coef=coef, key=key)

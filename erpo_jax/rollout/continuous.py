@@ -37,10 +37,11 @@ static sampler's: sample
 r = b * G + g (chunk c's local index with `max_prompts`) has the key
 fold_in(rng, r) (fold_in(fold_in(rng, c), r)), its N uniforms drawn from it
 at once (method 'inverse_cdf'), or fold_in(key, t) at its own step t
-('gumbel'). So whatever the pool size and the order of refills, a sample's
-tokens are the static engine's and its log-probs agree with them to float
-rounding (the softmax sums run over the same keys in another order, among
-another number of masked entries).
+('gumbel'). So whatever the pool size and the order of refills, it draws
+the static engine's samples: the same samples, to float rounding (the
+softmax sums run over the same keys in another order, among another number
+of masked entries): the log-probs agree to rounding, and a draw can flip
+where rounding moves it across a token boundary.
 The log-prob convention is the `sampler` module's.
 
 What a decode step reads. Every slot's cache has P + N entries (rounded up,
@@ -648,7 +649,9 @@ class ContinuousEngine:
     def sample(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
                max_prompts: int = 0) -> Rollout:
         """A Rollout of numpy arrays over exactly len(prompts) * G rows on every
-        host, the same samples as `Sampler.sample` with that key and max_prompts."""
+        host: the same samples as `Sampler.sample` with that key and max_prompts,
+        to float rounding (a draw can flip where rounding moves it across a
+        token boundary)."""
         out, real = self.run(params, prompts, key, max_prompts)
         out = to_host(out)
         return Rollout(*(a[:real] if np.ndim(a) else a for a in out))

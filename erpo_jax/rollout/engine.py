@@ -21,7 +21,8 @@ An engine is built from the model config, a `SamplingConfig` and the mesh
 Two engines: `static` (`sampler.Sampler`: a call's rows prefill together and
 decode until the longest ends) and `continuous` (`continuous.ContinuousEngine`:
 a pool of slots, each refilled by the next pending sample). For the same key
-they return the same samples.
+they return the same samples, to float rounding: a draw can flip where
+rounding moves it across a token boundary.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ softmax(logits / temperature).
 Randomness. Row r's key is fold_in(rng, r). With method 'inverse_cdf' it
 draws the row's N uniforms at once, before the decode loop (uniform t decides
 token t); with 'gumbel' step t uses the key fold_in(fold_in(rng, r), t). So a
-row's samples depend only on (rng, global row index, step): sampling G
-per prompt equals sampling each prompt repeated G times, and the result does
-not depend on the mesh. For RL step s pass `rollout_key(seed_key, s)`.
+row's random numbers depend only on (rng, global row index, step): sampling
+G per prompt equals sampling each prompt repeated G times, and another mesh
+gives the same samples, to float rounding: a draw can flip where rounding
+moves it across a token boundary. For RL step s pass `rollout_key(seed_key, s)`.
 
 Compilation. The jitted function is specialised on (B, P) and the static
 configs; `Sampler` buckets P to powers of two and pads B to a multiple of the
@@ -868,10 +869,12 @@ def rollout_stats(lengths: np.ndarray, decode_steps: int, slot_steps: int) -> di
     """What a rollout cost: decode steps run (forward passes after each
     sample's first token, which comes from the prefill), and token-slot
     utilisation, the tokens those steps sampled over the row slots they ran
-    (slots x steps)."""
+    (slots x steps); with both counts, so the statistics of several
+    rollouts add up (`dynamic_sampling.engine_stats`)."""
     useful = int(np.maximum(np.asarray(lengths) - 1, 0).sum())
     return {"decode_steps": int(decode_steps),
-            "slot_utilization": useful / slot_steps if slot_steps else 1.0}
+            "slot_utilization": useful / slot_steps if slot_steps else 1.0,
+            "slot_steps": int(slot_steps), "useful_tokens": useful}
 
 
 def join_rollouts(parts: Sequence[Rollout], pad_id: int) -> Rollout:

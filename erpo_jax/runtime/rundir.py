@@ -149,6 +149,12 @@ FREE_ON_RESUME = ("train.progress", "train.compile_cache", "train.compile_ahead"
                   "train.log_every", "train.samples_per_eval")
 
 
+# Fields that change how fast a run samples, not what (the rollout engines draw
+# the same samples, to float rounding): a resume across them is accepted
+# without train.allow_config_change and recorded in config_history.jsonl.
+SPEED_ON_RESUME = ("rollout.engine", "rollout.slots", "rollout.refill")
+
+
 def changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted field, old value, new value) for every leaf that differs."""
     out = []
@@ -192,15 +198,18 @@ def check_config(run_dir: Any, new: dict, normalize: Callable[[dict], dict], res
                  allow_change: bool, start_step: int) -> ConfigRecord:
     """Check `new` against the run's last recorded config (`last_config`). A
     resumed run (`resuming`: a checkpoint exists) whose config differs in a field
-    outside FREE_ON_RESUME is refused, unless `allow_change`, with a ValueError
-    listing the fields. Writes nothing."""
+    outside FREE_ON_RESUME and SPEED_ON_RESUME is refused, unless
+    `allow_change`, with a ValueError listing the fields; the changes it
+    accepts, speed ones included, are recorded. Writes nothing."""
     run_dir = path(run_dir)
     old, where = last_config(run_dir)
     changes = []
     if old is not None:
         changes = [c for c in changed_fields(normalize(old), new)
                    if c[0] not in FREE_ON_RESUME]
-    if resuming and changes and not allow_change:
+    refused = [c for c in changes if c[0] not in SPEED_ON_RESUME]
+    if resuming and refused and not allow_change:
+        changes = refused
         listed = "; ".join(f"{n}: {a!r} -> {b!r}" for n, a, b in changes[:8])
         more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
         raise ValueError(f"config field train.allow_config_change: {run_dir} holds a checkpoint "
@@ -275,3 +284,87 @@ def check_output_dir(p: Any, flag: str) -> None:
         raise ConfigError(f"{flag} {p} cannot be made ({e.strerror or e}).") from None
     if not is_remote(p) and not os.access(os.fspath(p), os.W_OK):
         raise ConfigError(f"{flag} {p} is not writable.")
+
+
+# What an output directory holds, so that no command writes into another
+# thing's directory: `erpo report` is recognised by its REPORT.md, `erpo eval`
+# by its eval_config.json (the model and settings it was made with), `erpo
+# demo` by OUTPUT_MARKER, which it writes before its first run (an
+# interrupted demo is a demo too) with the settings it runs with.
+OUTPUT_MARKER = "erpo_output.json"   # {"kind": "demo", "settings": {...}}
+OUTPUT_KINDS = {"report": "a report (erpo report)", "demo": "a demo (erpo demo)",
+                "eval": "an evaluation (erpo eval)"}
+
+
+def output_record(p: Any) -> dict | None:
+    """{'kind': one of OUTPUT_KINDS, 'settings': what it was made with, or None
+    where the directory does not record it} of output directory `p`, or None
+    where it holds none of them."""
+    p = path(p)
+    marker = p / OUTPUT_MARKER
+    if marker.is_file():
+        try:
+            rec = read_json(marker)
+        except (OSError, ValueError):
+            rec = None
+        if isinstance(rec, dict) and rec.get("kind") in OUTPUT_KINDS:
+            return {"kind": rec["kind"], "settings": rec.get("settings")}
+    if (p / "eval_config.json").is_file():
+        try:
+            saved = read_json(p / "eval_config.json")
+        except (OSError, ValueError):
+            saved = None
+        return {"kind": "eval", "settings": saved if isinstance(saved, dict) else None}
+    if (p / "SUMMARY.md").is_file():   # a demo written before OUTPUT_MARKER
+        return {"kind": "demo", "settings": None}
+    if (p / "REPORT.md").is_file():
+        return {"kind": "report", "settings": None}
+    return None
+
+
+def write_output_marker(p: Any, kind: str, settings: Any) -> None:
+    """Record in output directory `p` that it holds `kind` made with `settings`."""
+    write_json(path(p) / OUTPUT_MARKER, {"kind": kind, "settings": settings}, indent=2,
+               sort_keys=True)
+
+
+def _settings_diff(old: Any, new: Any) -> str:
+    if isinstance(old, dict) and isinstance(new, dict):
+        diff = changed_fields(old, new)
+        if diff:
+            named = [(n[len("settings."):] if n.startswith("settings.") else n, a, b)
+                     for n, a, b in diff]
+            more = f"; and {len(named) - 4} more" if len(named) > 4 else ""
+            return "; ".join(f"{n}: {a!r} -> {b!r}" for n, a, b in named[:4]) + more
+    return f"{old!r} -> {new!r}"
+
+
+def claim_output_dir(p: Any, flag: str, kind: str, settings: Any = None,
+                     force: bool = False, run_hint: str = "") -> None:
+    """Before the work: make output directory `p` for output `kind` (one of
+    OUTPUT_KINDS), or refuse it in one sentence naming it and the way out (a
+    ConfigError, rc 2): a file; a training run's directory (never, `force` or
+    not; `run_hint` adds the command's own way out); a directory holding
+    another kind of output, or this kind made with other `settings` (compared
+    where both are known), unless `force`. The same kind with the same
+    settings is reused."""
+    from erpo_jax.runtime.errors import ConfigError
+    p = path(p)
+    what = OUTPUT_KINDS[kind]
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {p} is a file, not a directory; give another {flag}, a "
+                          f"directory to write {what} in.")
+    if is_run_dir(p):
+        raise ConfigError(f"{flag} {p} is a training run's directory, and {what} never "
+                          f"writes into a run; give another {flag}{run_hint}.")
+    held = output_record(p) if p.is_dir() else None
+    if held is not None and not force:
+        if held["kind"] != kind:
+            raise ConfigError(f"{flag} {p} holds {OUTPUT_KINDS[held['kind']]}; give another "
+                              f"{flag}, or pass --force to write {what} over it.")
+        if (settings is not None and held["settings"] is not None
+                and held["settings"] != settings):
+            raise ConfigError(f"{flag} {p} holds {what} made with other settings "
+                              f"({_settings_diff(held['settings'], settings)}); give another "
+                              f"{flag}, or pass --force to replace it.")
+    check_output_dir(p, flag)

@@ -84,10 +84,21 @@ def _sft_done(cfg: RunConfig) -> bool:
         return False
 
 
+def _shipped(rebuild: bool) -> bool:
+    """Whether the demo starts from the reference the package ships."""
+    return not rebuild and (REFERENCE / "model.safetensors").is_file()
+
+
+def reference_dir(out: Path, rebuild: bool) -> Path:
+    """Where `reference_model` puts (or finds) the reference, before it runs."""
+    from erpo_jax.train.sft import MODEL_SUBDIR
+    return REFERENCE if _shipped(rebuild) else out / "sft" / MODEL_SUBDIR
+
+
 def reference_model(out: Path, rebuild: bool) -> Path:
     """The reference model directory: the committed one, or (rebuild, or the
     package was installed without it) slip_sft_config() trained into out/sft."""
-    if not rebuild and (REFERENCE / "model.safetensors").is_file():
+    if _shipped(rebuild):
         print(f"[demo] 1/3 the slip testbed's reference model, shipped in {REFERENCE} "
               "(erpo demo --rebuild-reference trains it again)")
         return REFERENCE
@@ -116,12 +127,71 @@ def demo_config(method: str, reference: Path, out: Path, quick: bool = False) ->
     return dataclasses.replace(cfg, train=train)
 
 
+# What `erpo demo` takes: the way out its refusals name.
+FLAGS = "erpo demo takes --out DIR, --quick, --rebuild-reference and --force"
+
+
+def _kind(quick: bool) -> str:
+    return "a --quick demo" if quick else "a full demo"
+
+
+def _held_settings(out: Path) -> dict | None:
+    """The settings of the demo `out` holds ({'quick', 'reference'}), read from
+    its marker, else from its runs' config.json (a demo written before the
+    marker), else None."""
+    from erpo_jax.runtime import rundir
+    rec = rundir.output_record(out)
+    if rec is not None and rec["kind"] == "demo" and isinstance(rec["settings"], dict):
+        return rec["settings"]
+    for method in METHODS:
+        saved = out / method / "config.json"
+        if saved.is_file():
+            try:
+                c = json.loads(saved.read_text())
+                return {"quick": c["train"]["steps"] != STEPS, "reference": c["model"]["path"]}
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def claim_out(out: Path, quick: bool, rebuild: bool, force: bool) -> dict:
+    """Before the work: refuse an --out that is a file, a training run, another
+    kind of output, or a demo with other settings (a --quick one for a full
+    one, another reference), in one sentence naming what `erpo demo` takes
+    (a ConfigError, rc 2); with `force`, the old demo's runs are deleted so
+    the new one starts over. Returns the settings, recorded in its marker."""
+    import shutil
+
+    from erpo_jax.runtime import rundir
+    from erpo_jax.runtime.errors import ConfigError
+    reference = reference_dir(out, rebuild)
+    settings = {"quick": bool(quick), "reference": str(reference)}
+    old = _held_settings(out) if out.is_dir() else None
+    if old is not None and old != settings and not force:
+        if old.get("quick") != settings["quick"]:
+            what = f"{_kind(old.get('quick'))}, and this is {_kind(quick)}"
+        else:
+            what = (f"a demo from the reference model {old.get('reference')}, and this one "
+                    f"starts from {reference}" + (" (--rebuild-reference)" if rebuild else ""))
+        raise ConfigError(f"--out {out} holds {what}; give another --out, or pass --force to "
+                          f"replace it ({FLAGS}).")
+    rundir.claim_output_dir(out, "--out", "demo", force=force)
+    if force and old is not None and old != settings:
+        for method in METHODS:   # the old demo's runs: the new one starts them over
+            if rundir.is_run_dir(out / method):
+                shutil.rmtree(out / method)
+    rundir.write_output_marker(out, "demo", settings)
+    return settings
+
+
 def run_demo(args) -> int:
     from erpo_jax.tools.report import load_run, markdown, plot
     from erpo_jax.train.loop import train
 
     out = Path(args.out)
     quick = getattr(args, "quick", False)
+    claim_out(out, quick, getattr(args, "rebuild_reference", False),
+              getattr(args, "force", False))
     t0 = time.perf_counter()
     print("[demo] the slip testbed: a reference whose worked solutions drop carries, "
           "then RL from it three ways (experiments/SLIP_TESTBED.md)")

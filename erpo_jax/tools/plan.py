@@ -359,6 +359,8 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
 def sample_lengths(spec: str, samples: int, cap: int, seed: int = 0):
     """Response lengths int[samples] drawn from `spec`, 'lognormal:MEDIAN:SIGMA'
     (rounded, at least 1, capped at max_new_tokens), with a fixed seed."""
+    import math
+
     import numpy as np
     from erpo_jax.train.config import ConfigError
     kind, *args = spec.split(":")
@@ -366,9 +368,10 @@ def sample_lengths(spec: str, samples: int, cap: int, seed: int = 0):
         median, sigma = (float(a) for a in args) if kind == "lognormal" else (0.0, 0.0)
     except ValueError:
         median = 0.0
-    if not (median >= 1 and sigma >= 0):
+    if not (1 <= median < math.inf and 0 <= sigma < math.inf):
         raise ConfigError(f"--lengths {spec!r} is no length distribution: use "
-                          "lognormal:MEDIAN:SIGMA with MEDIAN >= 1, e.g. lognormal:800:0.8.")
+                          "lognormal:MEDIAN:SIGMA with a finite MEDIAN >= 1 and a finite "
+                          "SIGMA >= 0, e.g. lognormal:800:0.8.")
     rng = np.random.default_rng(seed)
     return np.clip(np.round(rng.lognormal(np.log(median), sigma, samples)), 1, cap).astype(int)
 
@@ -654,11 +657,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     cfg = load_config(args.config, args.overrides, cpu=args.cpu)
+    sample_lengths(args.lengths, 1, 1)   # a bad spec is refused before anything compiles
     print(f"{cfg.name} on {top.name}: {top.chips} chips on {top.hosts} host(s), "
           f"{top.hbm_gib:g} GiB HBM, {top.peak_flops / 1e12:g} TFLOP/s bf16, "
           f"{top.hbm_bytes_per_s / 1e9:g} GB/s per chip ({SOURCE})", flush=True)
     only = tuple(x.strip() for x in args.only.split(",") if x.strip())
-    sample_lengths(args.lengths, 1, 1)   # a bad spec is refused before anything compiles
     report = plan(cfg, top, args.margin, only=only, say=lambda s: print(s, flush=True),
                   strict_only=True, lengths=args.lengths)
     print("Per chip. Estimated ms: roofline max(FLOPs / peak, bytes / bandwidth), an "

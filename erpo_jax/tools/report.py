@@ -1,10 +1,14 @@
 """`erpo report`: tables and plots from run directories.
 
 A run directory holds config.json, metrics.jsonl and evals.jsonl. Runs are
-grouped into methods by their config `name` (seeds of one method share it);
-each table cell is the mean over seeds with a 95% confidence interval
-(Student t), and each plot has one line per method (the mean over seeds) with
-a band from the lowest to the highest seed.
+seeds of one method when they share their config `name` and their configs
+differ in the seed alone (and where they wrote: SEED_FIELDS); runs of one name
+whose configs differ otherwise are reported as different methods, each named
+by the fields that differ, with a note saying so, and two runs of one method
+with the same seed are refused (`methods`). Each table cell is the mean over
+seeds with a 95% confidence interval (Student t), and each plot has one line
+per method (the mean over seeds) with a band from the lowest to the highest
+seed.
 
 Collapse. A run collapses at the first evaluation whose held-out accuracy
 (greedy pass@1, average over the evaluation sets) is more than
@@ -22,6 +26,7 @@ interval contains 0 is not resolved by these seeds.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import math
 from collections import defaultdict
@@ -195,11 +200,93 @@ def collapsed(run: dict, collapse_drop: float, entropy_floor: float) -> bool:
     return collapse_step(run, collapse_drop, entropy_floor) is not None
 
 
-def group(runs: Sequence[dict]) -> dict[str, list[dict]]:
-    out = defaultdict(list)
+# Config fields the seeds of one method may differ in: the seed, and those
+# that do not touch a run's numbers (rundir.FREE_ON_RESUME: where it wrote,
+# its caches, its progress bar). Any other field makes another method.
+SEED_FIELDS = ("train.seed", *rundir.FREE_ON_RESUME)
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _method_fields(run: dict) -> dict[str, Any]:
+    """The run's config as {dotted field: value}, without its name and the
+    SEED_FIELDS: what the seeds of one method share. Fields added since the
+    run was written take their defaults (train.config.normalized)."""
+    import json
+    cfg = run["config"] if isinstance(run["config"], dict) else {}
+    return dict(_method_items(json.dumps(cfg, sort_keys=True, default=str)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _method_items(config_json: str) -> tuple:
+    """`_method_fields` of a config given as JSON (cached: every table groups the runs)."""
+    import json
+    from erpo_jax.train.config import normalized
+    flat = _flat(normalized(json.loads(config_json)))
+    return tuple((k, v) for k, v in flat.items() if k != "name" and k not in SEED_FIELDS)
+
+
+def _seed(run: dict) -> Any:
+    return (run["config"].get("train") or {}).get("seed", 0)
+
+
+def _value(v: Any) -> str:
+    import json
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def methods(runs: Sequence[dict]) -> tuple[dict[str, list[dict]], list[str]]:
+    """({method label: its runs}, notes). Runs are seeds of one method when they
+    share a name and their configs differ in SEED_FIELDS alone. Runs sharing a
+    name whose configs differ otherwise are different methods, each labelled by
+    the name and the fields that differ, and a note says so. Two runs of one
+    method with the same seed cannot both be seeds of it: a ConfigError names
+    them."""
+    import json
+    from erpo_jax.runtime.errors import ConfigError
+    by_name: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
-        out[r["name"]].append(r)
-    return dict(out)
+        by_name[r["name"]].append(r)
+    out: dict[str, list[dict]] = {}
+    notes = []
+    for name, rs in by_name.items():
+        fields = [_method_fields(r) for r in rs]
+        keys = [json.dumps(f, sort_keys=True, default=str) for f in fields]
+        if len(set(keys)) == 1:
+            labels = [name] * len(rs)
+        else:
+            varying = sorted({k for f in fields for k in f
+                              if len({_value(g.get(k)) for g in fields}) > 1})
+            labels = [f"{name} ({', '.join(f'{k}={_value(f.get(k))}' for k in varying)})"
+                      for f in fields]
+            notes.append(f"The runs named {name!r} differ in more than the seed "
+                         f"({', '.join(varying)}): they are reported as "
+                         f"{len(set(keys))} methods, each named by those fields.")
+        for label, r in zip(labels, rs):
+            out.setdefault(label, []).append(r)
+    for label, rs in out.items():
+        seen: dict[Any, dict] = {}
+        for r in rs:
+            s = _seed(r)
+            if s in seen:
+                raise ConfigError(f"{seen[s]['dir']} and {r['dir']} are both seed {s} of the "
+                                  f"same method ({label}), so they cannot be two of its seeds "
+                                  "(one run given twice, or a copy); report one of them.")
+            seen[s] = r
+    return out, notes
+
+
+def group(runs: Sequence[dict]) -> dict[str, list[dict]]:
+    """{method label: its runs} (`methods`)."""
+    return methods(runs)[0]
 
 
 def fmt(mean: float, half: float, pct: bool = True, digits: int = 1) -> str:
@@ -365,7 +452,9 @@ def effect_table(runs: Sequence[dict], comparisons: Sequence[tuple[str, str]]) -
 
 def markdown(runs: Sequence[dict], collapse_drop: float = 0.15, entropy_floor: float = 0.05,
              comparisons: Sequence[tuple[str, str]] = ()) -> str:
-    lines = accuracy_table(runs)
+    notes = methods(runs)[1]
+    lines = [*notes, ""] if notes else []
+    lines += accuracy_table(runs)
     lines += ["", "Accuracies are held-out greedy pass@1 in percent (pass@k: from sampled "
               "evaluation), mean ± 95% CI over seeds (Student t; no ± with one seed).", "",
               "Stability and drift:", ""]
@@ -448,9 +537,13 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
 
 
 def report_runs(runs: Sequence[dict], out_dir: str | Path, title: str = "Report",
-                **kw) -> Path:
-    """`write_report` of runs already loaded (`load_run`)."""
+                force: bool = False, **kw) -> Path:
+    """`write_report` of runs already loaded (`load_run`). An `out_dir` that is a
+    file, a training run or holds another kind of output (a demo, an
+    evaluation) is refused (rundir.claim_output_dir) unless `force`."""
     out_dir = rundir.path(out_dir)
+    methods(runs)   # runs that cannot be grouped are refused before anything is written
+    rundir.claim_output_dir(out_dir, "--out", "report", force=force)
     pngs = plot(runs, out_dir)
     text = [f"# {title}", "", markdown(runs, **kw), ""]
     text += [f"![{p.stem}]({p.name})" for p in pngs]
@@ -465,6 +558,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("runs", nargs="+", help="run directories, or an experiment directory "
                    "(runs/<experiment>) standing for all its <variant>/seed<k> runs")
     p.add_argument("--out", required=True, help="output directory for REPORT.md and PNGs")
+    p.add_argument("--force", action="store_true", help="write into an --out that holds a "
+                   "demo or an evaluation (never a training run's directory)")
     p.add_argument("--title", default=None, help="default: the --experiment file's, "
                    "else 'erpo-jax report'")
     p.add_argument("--experiment", default=None, metavar="FILE",
@@ -513,7 +608,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.baseline not in names:
             raise ValueError(f"--baseline {args.baseline!r} is not one of the methods {names}.")
         kw["comparisons"] = [(n, args.baseline) for n in names if n != args.baseline]
-    path = report_runs(runs, args.out, args.title or title, **kw)
+    path = report_runs(runs, args.out, args.title or title, force=args.force, **kw)
     print(path)
     if args.write_summaries:
         from erpo_jax.tools.run_summary import write_summaries

@@ -27,7 +27,10 @@ FORMAT = 1
 # no row has is left out.
 METRIC_KEYS = ("accuracy", "reward_mean", "drift/qkl_k3", "entropy", "response_len_mean",
                "time/rollout", "time/ref", "time/update", "rollout/prompts_sampled",
-               "kl_coef", "filter/short")
+               "kl_coef", "filter/short",
+               # issue 47: the coefficient after each step, dynamic sampling's draws and
+               # varied groups (the share of short steps, prompts per step)
+               "kl_coef_next", "filter/batches", "filter/varied_groups")
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:

@@ -59,8 +59,8 @@ from typing import Iterable
 
 from erpo_jax.runtime import rundir
 from erpo_jax.tools.report import WALL_LOG, report_options
-from erpo_jax.train.config import (RunConfig, apply_overrides, config_dict, from_dict,
-                                   load_experiment, save_config, validate)
+from erpo_jax.train.config import (ConfigError, RunConfig, apply_overrides, config_dict,
+                                   from_dict, load_experiment, save_config, validate)
 from erpo_jax.train.methods import resolve_method
 
 # Fields that do not change what a run computes; a difference there is not stale.
@@ -115,12 +115,16 @@ def plan(path: str | Path, seeds: Iterable[int], cpu: bool = False,
     with the dotted `overrides` applied (before the sweep places it)."""
     exp = Path(path).stem
     table = variants(load_experiment(path), cpu)
-    if only:
+    if only is not None:
         only = list(only)
+        if not only:   # an empty list would select every variant
+            raise ConfigError(f"--only names no variant; give comma-separated variant names of "
+                              f"{exp} ({', '.join(table)}), or drop --only to run every "
+                              "variant.")
         unknown = [n for n in only if n not in table]
         if unknown:
-            raise ValueError(f"--only {','.join(unknown)}: not a variant of {exp}; its variants "
-                             f"are {', '.join(table)}.")
+            raise ConfigError(f"--only {','.join(unknown)}: not a variant of {exp}; its "
+                              f"variants are {', '.join(table)}.")
         table = {n: table[n] for n in only}
     root = Path(runs_root) / exp
     runs = []
@@ -448,7 +452,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("experiment", help="experiment file, e.g. experiments/main_comparison.py")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     p.add_argument("--cpu", action="store_true", help="the CPU variant of every config")
-    p.add_argument("--only", default="", help="comma-separated variant names")
+    p.add_argument("--only", default=None, help="comma-separated variant names (default: "
+                   "every variant)")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (default 1)")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state only")
     p.add_argument("--runs-root", default="runs", help="where run directories go")
@@ -465,7 +470,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from erpo_jax.train.config import ConfigError
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
@@ -474,7 +478,7 @@ def _run(args: argparse.Namespace) -> int:
     if not seeds or min(seeds) < 0:
         raise ConfigError(f"--seeds {args.seeds!r}: give comma-separated non-negative integers, "
                           "e.g. --seeds 0,1,2.")
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    only = None if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
     mod = load_experiment(args.experiment)
     runs = plan(args.experiment, seeds, args.cpu, only, args.runs_root, args.overrides)
     print(f"[sweep] {len(runs)} runs of {Path(args.experiment).stem} "

@@ -16,12 +16,13 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-from erpo_jax.rl.loss import LossConfig
+from erpo_jax.rl.loss import LossConfig, deferred_validation
 from erpo_jax.rl.weights import W_MAX, W_MIN
 from erpo_jax.rollout.engine import ENGINES
 from erpo_jax.runtime.errors import ConfigError  # noqa: F401  (re-exported: its home for callers)
@@ -138,7 +139,8 @@ class RolloutSection:
     # The rollout engine (rollout.engine): 'static' (a call's rows decode
     # together until the longest ends), 'continuous' (a pool of decode slots,
     # each refilled by the next pending sample when its sample ends; the same
-    # samples for the same key) or 'auto': continuous on the real path
+    # samples for the same key, to float rounding: a draw can flip where
+    # rounding moves it across a token boundary) or 'auto': continuous on the real path
     # (data.task=jsonl), whose response lengths vary, static on the embedded
     # arithmetic task (`resolved_engine`). README "Choosing a rollout engine".
     engine: str = "auto"
@@ -170,7 +172,12 @@ class AlgoSection:
       the groups whose rewards do not vary and sample further batches of
       prompts until train.batch_size groups vary.
     filter_max_batches: the most batches of prompts dynamic sampling draws in
-      a step, the first included (then the batch is filled with flat groups).
+      a step, the first included (verl's DAPO recipe: 10); 0 = no cap (at
+      most one pass over the training set per step).
+    filter_on_short: what a step that reaches the cap short of
+      train.batch_size varied groups does: 'error' (DAPO: stop, saying so,
+      after saving the finished steps) or 'pad' (fill the batch with flat
+      groups that carry no signal; counted in the metric filter/short).
     overlong_buffer, overlong_penalty: DAPO's overlong shaping (rl/overlong.py):
       a penalty growing linearly to -overlong_penalty over the last
       overlong_buffer tokens before rollout.max_new_tokens; 0 = off.
@@ -189,7 +196,8 @@ class AlgoSection:
     weight_max: float = W_MAX
     reinforce_pp_whiten: str = "token"
     filter_groups: bool = False
-    filter_max_batches: int = 4
+    filter_max_batches: int = 10
+    filter_on_short: str = "error"
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
@@ -407,7 +415,9 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     method resolved (`methods.resolve_method`): use the returned config."""
     from erpo_jax.rl.estimators import ESTIMATORS
     from erpo_jax.train.methods import resolve_method
-    cfg = resolve_method(cfg)
+    check_loss(cfg)
+    with deferred_validation():
+        cfg = resolve_method(cfg)
     from erpo_jax.rl.shaping import WHITEN_MODES
     from erpo_jax.rl.weights import SCHEMES
     m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.train
@@ -481,9 +491,14 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
         _fail("algo.filter_groups", f"drops groups whose rewards do not vary, but "
               f"rollout.group_size={r.group_size} makes every group one response; set "
               "rollout.group_size >= 2 or algo.filter_groups=false.")
-    if a.filter_max_batches < 1:
-        _fail("algo.filter_max_batches", f"must be >= 1 (batches of prompts drawn per step, "
-              f"the first included), got {a.filter_max_batches}.")
+    if a.filter_max_batches < 0:
+        _fail("algo.filter_max_batches", f"must be >= 0 (batches of prompts drawn per step, "
+              f"the first included; 0 = no cap), got {a.filter_max_batches}.")
+    from erpo_jax.rl.dynamic_sampling import ON_SHORT
+    if a.filter_on_short not in ON_SHORT:
+        _fail("algo.filter_on_short", f"is {a.filter_on_short!r}; choose 'error' (stop when "
+              "dynamic sampling reaches algo.filter_max_batches short of train.batch_size "
+              "varied groups) or 'pad' (fill with flat groups that carry no signal).")
     if not 0 <= a.overlong_buffer <= r.max_new_tokens:
         _fail("algo.overlong_buffer", f"must be in [0, rollout.max_new_tokens="
               f"{r.max_new_tokens}] (0 = off), got {a.overlong_buffer}.")
@@ -560,14 +575,37 @@ def _convert(text: str, typ, field: str):
 
 
 def apply_overrides(cfg, overrides: list[str]):
-    """Return cfg with `a.b.c=value` overrides applied (typed by the dataclass)."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} has no '=': write section.field=value (e.g. "
-                              "train.steps=10).")
-        path, text = item.split("=", 1)
-        cfg = _replace_path(cfg, path.strip().split("."), text.strip(), path.strip())
+    """Return cfg with `a.b.c=value` overrides applied (typed by the dataclass).
+    The loss section is checked once all are applied and the method is
+    resolved (`check_loss`), so their order never changes the verdict."""
+    with deferred_validation():
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} has no '=': write section.field=value "
+                                  "(e.g. train.steps=10).")
+            path, text = item.split("=", 1)
+            cfg = _replace_path(cfg, path.strip().split("."), text.strip(), path.strip())
+    if overrides and isinstance(cfg, RunConfig):
+        check_loss(cfg)
     return cfg
+
+
+def check_loss(cfg: RunConfig) -> None:
+    """The loss section's own checks (LossConfig.validate) on the method-resolved
+    config, as a ConfigError naming the field (`config field loss.<name>: ...`)."""
+    from erpo_jax.train.methods import resolve_method
+    with deferred_validation():
+        lc = resolve_method(cfg).loss
+    try:
+        lc.validate()
+    except ValueError as e:
+        msg = str(e)
+        m = re.match(r"LossConfig\.(\w+)", msg)
+        if m and m.group(1) in {f.name for f in dataclasses.fields(LossConfig)}:
+            rest = msg[len("LossConfig."):]
+            rest = rest[len(m.group(1)):].lstrip() if rest[len(m.group(1))] == " " else rest
+            _fail(f"loss.{m.group(1)}", rest.replace("LossConfig.", "loss."))
+        _fail("loss", msg)
 
 
 def _replace_path(obj, parts: list[str], text: str, full: str):
@@ -626,7 +664,11 @@ def from_dict(cls, data: dict, prefix: str = ""):
             v = tuple(v)
         kwargs[k] = v
     try:
-        return cls(**kwargs)
+        with deferred_validation():   # the loss is checked whole, method resolved
+            out = cls(**kwargs)
+        if cls is RunConfig:
+            check_loss(out)
+        return out
     except (TypeError, ValueError) as e:   # a section's own check (e.g. LossConfig)
         if isinstance(e, ConfigError):
             raise

@@ -13,5 +13,6 @@ def sample(engine, params, prompts: Sequence[Sequence[int]], key: jax.Array,
     number of hosts), from a rollout engine (`rollout.engine`: the static
     `Sampler` or the `ContinuousEngine`). max_prompts > 0: chunk c of that
     many prompts uses the key fold_in(key, c), whichever engine runs it, so
-    both engines draw the same samples."""
+    both engines draw the same samples, to float rounding: a draw can flip
+    where rounding moves it across a token boundary."""
     return engine.sample(params, prompts, key, max_prompts)

@@ -37,7 +37,6 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from erpo_jax.rl import grad_flow
@@ -105,34 +104,79 @@ def _has_model(path: str) -> bool:
     return bool(path) and (Path(path) / "config.json").is_file()
 
 
+def run_position(cfg, step: int) -> tuple[int, float | None, str]:
+    """(iterator position of step `step`'s first prompts, the adaptive
+    Policy-KL coefficient in force at its start (None: not adaptive), where
+    they were read). Without dynamic sampling the position is the step; with
+    it, and for the adaptive coefficient, both come from the run's per-step
+    metrics (<train.out_dir>/metrics.jsonl: `filter/batches` drawn and
+    `kl_coef_next` of each step before it)."""
+    import json
+    from erpo_jax.runtime import rundir
+    lc, a = cfg.loss, cfg.algo
+    position = step
+    coef = lc.beta_policy if lc.adaptive_kl else None
+    if step == 0 or not (a.filter_groups or lc.adaptive_kl):
+        return position, coef, "the run's config"
+    path = rundir.path(cfg.train.out_dir) / "metrics.jsonl"
+    what = " and ".join(x for x, on in (("the batches dynamic sampling drew", a.filter_groups),
+                                        ("the adaptive KL coefficient", lc.adaptive_kl)) if on)
+    try:
+        rows = {r["step"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--step {step} of this run needs {what} at each step before it, from "
+                         f"the run's {path} (train.out_dir), which cannot be read ({e}); point "
+                         "train.out_dir at the run, or inspect --step 0.") from None
+    missing = [s for s in range(1, step + 1) if s not in rows]
+    if missing:
+        raise ValueError(f"--step {step} of this run needs {what} at steps 1-{step}, but "
+                         f"{path} has no row for step {missing[0]}; inspect a step the run "
+                         "has reached.")
+    if a.filter_groups:
+        position = int(sum(rows[s].get("filter/batches", 1) for s in range(1, step + 1)))
+    if lc.adaptive_kl:
+        coef = float(rows[step]["kl_coef_next"])
+    return position, coef, str(path)
+
+
 def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: int = 2,
                 step: int = 0, unit: bool = False, config_name: str = "") -> dict:
     """The gradient report of run `cfg`'s loss for the policy at `checkpoint`,
     on the real batch described in the module docstring; report['source']
     says what it ran on."""
+    batch, info = run_batch(cfg, checkpoint, reference=reference, step=step, unit=unit)
+    return _report(cfg, batch, info, queries=queries, step=step, unit=unit,
+                   checkpoint=checkpoint, config_name=config_name)
+
+
+def run_batch(cfg, checkpoint: str, *, reference: str | None = None, step: int = 0,
+              unit: bool = False):
+    """(RLBatch, info) of run `cfg`'s step `step` for the policy at
+    `checkpoint`: the whole step's batch, drawn and assembled as the Trainer
+    does (`rl.assemble`), from the run's programs. With `unit` the
+    reference's response log-probs are in it even when the run has no
+    Policy-KL (the inspector's --unit puts the term on)."""
     from erpo_jax.data.iterator import QueryBatchIterator
-    from erpo_jax.rl.advantages import gae
-    from erpo_jax.rl.batch import as_jax, validate_batch
-    from erpo_jax.rl.shaping import per_response, shaped_advantages
+    from erpo_jax.rl import assemble, dynamic_sampling as ds
     from erpo_jax.rollout.sampler import rollout_key
+    from erpo_jax.runtime.distributed import to_host
     from erpo_jax.train.config import validate
     from erpo_jax.train.host import sample
-    from erpo_jax.train.loop import rollout_to_batch
-    from erpo_jax.train.methods import describe
+    from erpo_jax.train.loop import _put
     from erpo_jax.train.policy import load_policy
+    from erpo_jax.train.programs import Programs
     from erpo_jax.train.startup import reference_cache_dir, reference_pass, start
-    from erpo_jax.train.programs import rollout_engine, rollout_sampling
-    from erpo_jax.train.train_step import make_logprob_fn
 
     cfg = validate(cfg)   # method resolved: the coefficients and scheme the run uses
-    if queries < 1 or step < 0:
-        raise ValueError(f"--queries must be >= 1 and --step >= 0, got {queries} and {step}.")
+    if step < 0:
+        raise ValueError(f"--step must be >= 0 (an RL step of the run), got {step}.")
     if reference is None:
         m = cfg.model
         reference = m.path if m.init in ("sft", "hf") and _has_model(m.path) else checkpoint
     for name, path in (("--checkpoint", checkpoint), ("--reference", reference)):
         if not _has_model(path):
             raise ValueError(f"{name} {path} is not a model directory (no config.json).")
+    position, kl_coef, read_from = run_position(cfg, step)
     at = lambda path: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="hf",
                                                                          path=str(path)))
     # The run's start-up; the task's rows are the run's (they depend on data.* alone).
@@ -140,8 +184,8 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
     sharding, task = started.sharding, started.task
     model_cfg, params, tok = started.model_cfg, started.params, started.tokenizer
     same = Path(reference).resolve() == Path(checkpoint).resolve()
-    t, r, a, lc = cfg.train, cfg.rollout, cfg.algo, cfg.loss
-    G = r.group_size
+    t, r, a = cfg.train, cfg.rollout, cfg.algo
+    G, B = r.group_size, t.batch_size
     try:
         if same:
             ref_params, ref_tok = params, tok
@@ -153,46 +197,88 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
             if dataclasses.replace(ref_cfg, remat=model_cfg.remat) != model_cfg:
                 raise ValueError(f"the checkpoint's model config differs from the reference's "
                                  f"({reference}).")
+        progs = Programs(cfg, model_cfg, sharding, tok.eos_ids, tok.pad_id)
+        rec = progs.recipe
         # The run's reference pass: the Trainer's cache directory (local or gs://) and key.
         ref_cache, computed = reference_pass(cfg, ref_params, model_cfg, tok, task, sharding,
                                              task.train_prompts)
         weights = ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min, a.weight_max)
-        idx = QueryBatchIterator(len(task.train), t.batch_size, t.seed).batch_at(step)[:queries]
-        prompts = [task.train_prompts[i] for i in idx]
-        sampler = rollout_engine(cfg, model_cfg, rollout_sampling(cfg, tok.eos_ids, tok.pad_id),
-                                 sharding)
+        iterator = QueryBatchIterator(len(task.train), B, t.seed)
+
+        def sample_and_score(idx, key):
+            ro = sample(progs.sampler, params, [task.train_prompts[i] for i in idx], key,
+                        r.max_prompts_per_call)
+            stats = dict(progs.sampler.last_stats)
+            texts = tok.decode_responses(ro.response_tokens, ro.response_mask)
+            rewards, reasons = task.reward_fn(texts, [task.train[i].answer for i in idx
+                                                      for _ in range(G)])
+            return ds.Draw(ro, np.asarray(idx), np.asarray(rewards, np.float32),
+                           list(reasons), stats)
+
         key = rollout_key(jax.random.fold_in(jax.random.key(t.seed), 1), step)
-        ro = sample(sampler, params, prompts, key, r.max_prompts_per_call)
-        texts = tok.decode_responses(ro.response_tokens, ro.response_mask)
-        rewards, _ = task.reward_fn(texts, [task.train[i].answer for i in idx for _ in range(G)])
+        draws = ds.draw_step(sample_and_score, iterator.batch_at, position, key,
+                             filter_groups=rec.filter_groups, batch_size=B, group_size=G,
+                             limit=ds.max_draws(a, iterator.batches_per_epoch))
     finally:
         task.close()
-    rewards = np.asarray(rewards, np.float32)
-    batch = rollout_to_batch(ro, np.zeros(len(rewards), np.float32), idx, ref_cache, weights, G)
-    need_ref = lc.needs_ref_logp or unit
+    sel = ds.select(draws, a, batch_size=B, group_size=G, pad_id=tok.pad_id, step=step)
+    base = assemble.layout(sel, ref_cache, weights, G)
     ref_logp = None
-    if need_ref:
-        ref_fn = make_logprob_fn(model_cfg, r.temperature, cfg.model.logprob_chunk, sharding)
-        ref_logp = np.asarray(jax.device_get(ref_fn(
-            ref_params, jnp.asarray(batch.tokens), jnp.asarray(batch.attn_mask),
-            last=ro.response_tokens.shape[1])), np.float32)
-    from erpo_jax.rl.recipe import recipe
-    rec = recipe(cfg)
-    shaping = rec.shapes_rewards
-    shaped, adv = shaped_advantages(
-        jnp.asarray(rewards), jnp.asarray(batch.response_mask),
-        jnp.asarray(batch.old_logp) if shaping else None,
-        jnp.asarray(ref_logp) if shaping else None, loss_cfg=lc, algo=a, group_size=G)
-    if adv is None:   # a critic estimator (GAE) with the trainer's step-0 critic: a zero value head
-        zeros = jnp.zeros(batch.response_mask.shape, jnp.float32)
-        adv, _ = gae(shaped, zeros, jnp.asarray(batch.response_mask), gamma=a.gamma, lam=a.lam,
-                     whiten=True)
-    batch = batch._replace(advantages=np.asarray(adv, np.float32), ref_logp=ref_logp)
-    validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss)
-    report = grad_flow.inspect_gradients(params, model_cfg, as_jax(batch), lc, r.temperature,
+    if rec.needs_ref_logp or unit:
+        ref_logp = to_host(progs.ref_logp_fn(ref_params, *_put((base.tokens, base.attn_mask),
+                                                              sharding),
+                                             last=sel.rollout.response_tokens.shape[1]))
+    values_fn = None
+    if rec.needs_critic:   # the Trainer's step-0 critic: a zero value head
+        values_fn = lambda tok_, m: np.zeros((tok_.shape[0], tok_.shape[1] - 1), np.float32)
+    out = assemble.build_batch(
+        sel, cfg, rec, ref_cache=ref_cache, weights=weights,
+        advantages_fn=progs.advantages_fn, ref_logp=ref_logp,
+        kl_coef=None if kl_coef is None else np.float32(kl_coef), values_fn=values_fn,
+        query_group=progs.query_group, base=base)
+    info = {"params": params, "model_cfg": model_cfg, "recipe": rec, "task": task.name,
+            "same": same, "reference": reference, "ref_cache": ref_cache,
+            "computed": computed, "cache_dir": reference_cache_dir(cfg), "rewards": out.rewards,
+            "task_rewards": sel.rewards, "metrics": out.info, "position": position,
+            "draws": len(draws), "kl_coef": kl_coef, "read_from": read_from,
+            "filler": int(sel.filler.sum())}
+    return out.batch, info
+
+
+def _report(cfg, batch, info, *, queries: int, step: int, unit: bool, checkpoint: str,
+            config_name: str) -> dict:
+    """The gradient report on the first `queries` groups of the step's batch."""
+    from erpo_jax.rl.batch import RLBatch, as_jax
+    from erpo_jax.train.config import validate
+    from erpo_jax.train.methods import describe
+    cfg = validate(cfg)
+    t, r, a, lc = cfg.train, cfg.rollout, cfg.algo, cfg.loss
+    G, B = r.group_size, t.batch_size
+    if not 1 <= queries <= B:
+        raise ValueError(f"--queries must be in [1, train.batch_size={B}] (groups of the "
+                         f"step's batch), got {queries}.")
+    rows = queries * G
+    part = RLBatch(*[None if x is None else np.asarray(x)[:rows] for x in batch])
+    if not np.asarray(part.response_mask).any():
+        raise ValueError(f"the first {queries} groups of step {step}'s batch are dynamic "
+                         "sampling's filler (no signal); raise --queries.")
+    rec, model_cfg, params = info["recipe"], info["model_cfg"], info["params"]
+    report = grad_flow.inspect_gradients(params, model_cfg, as_jax(part), lc, r.temperature,
                                          unit)
-    n_tok = int(np.sum(batch.response_mask))
+    rewards, shaped_mean = info["rewards"][:rows], info["metrics"].get("reward_shaped_mean")
+    batch = part
+    shaping = rec.shapes_rewards
+    same, reference, ref_cache = info["same"], info["reference"], info["ref_cache"]
+    computed = info["computed"]
+    n_tok = int(np.sum(part.response_mask))
+    drawn = (f", drawn from iterator position {info['position']} in {info['draws']} "
+             f"batch(es) of dynamic sampling" if rec.filter_groups else "")
+    if info["filler"]:
+        drawn += f" ({info['filler']} filler groups in the step)"
     w = batch.query_weight[::G]
+    coef = ""
+    if info["kl_coef"] is not None:
+        coef = f"; adaptive Policy-KL coefficient {info['kl_coef']:.4g} (from {info['read_from']})"
     report["source"] = {
         "config": f"{config_name or cfg.name}: {describe(cfg)[len('[erpo] '):]}"
                   + (" (--unit: every coefficient set to 1)" if unit else ""),
@@ -202,16 +288,19 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
         "reference": ("the checkpoint itself (policy = reference)" if same else str(reference))
                      + f"; query log-probs of {ref_cache.num_queries} training queries "
                      + ("computed now and cached" if computed else "read from the run's cache")
-                     + f" in {reference_cache_dir(cfg)}",
-        "batch": f"{len(idx)} prompts of the {task.name} training set (the first of the run's "
-                 f"step-{step} batch, seed {t.seed}), {G} responses each sampled by the "
-                 f"checkpoint at temperature {r.temperature} (max {r.max_new_tokens} tokens); "
+                     + f" in {info['cache_dir']}",
+        "batch": f"{queries} prompts of the {info['task']} training set (the first {queries} "
+                 f"of the {B} groups of the run's step-{step} batch, seed {t.seed}{drawn}), "
+                 f"{G} responses each sampled by the checkpoint at temperature "
+                 f"{r.temperature} (max {r.max_new_tokens} tokens); "
                  f"{n_tok} response tokens, {int(np.sum(batch.query_mask))} query targets",
-        "rewards": f"task reward mean {float(rewards.mean()):.4g}"
-                   + (f", KL-shaped mean {float(np.mean(per_response(shaped))):.4g}"
-                      if shaping else "")
-                   + f"; advantages {a.advantage}" + (" (critic values 0, as at step 0)"
-                                                      if rec.needs_critic else ""),
+        "rewards": f"task reward mean {float(info['task_rewards'][:rows].mean()):.4g}"
+                   + (f", with overlong shaping {float(rewards.mean()):.4g}"
+                      if rec.overlong_buffer else "")
+                   + (f", the step's KL-shaped mean {shaped_mean:.4g}"
+                      if shaping and shaped_mean is not None else "")
+                   + f"; advantages {a.advantage} over the step's whole batch"
+                   + (" (critic values 0, as at step 0)" if rec.needs_critic else "") + coef,
         "old logp": "from the sampler (no synthetic noise)",
         "weights": f"{a.weight_scheme}, this batch's queries: "
                    + ", ".join(f"{x:.3f}" for x in w),

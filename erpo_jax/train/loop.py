@@ -23,21 +23,19 @@ import numpy as np
 from erpo_jax.runtime import host_malloc, xla_options
 from erpo_jax.data.iterator import QueryBatchIterator
 from erpo_jax.model.sharding import Sharding
-from erpo_jax.rl import advantages as adv_lib
 from erpo_jax.rl import critic as critic_lib
-from erpo_jax.rl import dynamic_sampling
-from erpo_jax.rl.overlong import overlong_penalty
+from erpo_jax.rl import assemble, dynamic_sampling, kl_control
 from erpo_jax.rl import reference as ref_lib
-from erpo_jax.rl.batch import RLBatch, group_ids, masks_from_layout, validate_batch
+from erpo_jax.rl.batch import RLBatch, masks_from_layout
+from erpo_jax.rl.loss import LossConfig as LossConfigDefaults
 from erpo_jax.rl.query_kl import query_kl
-from erpo_jax.rl.shaping import per_response
 from erpo_jax.rollout.sampler import rollout_key
 from erpo_jax.runtime import rundir
 from erpo_jax.runtime.run_lock import RunLock
 from erpo_jax.runtime.progress import progress_bar
 from erpo_jax.train import checkpoint as ckpt_lib
+from erpo_jax.train import resume as resume_lib
 from erpo_jax.train import startup
-from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig, config_dict, normalized
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.methods import describe as describe_method
@@ -74,24 +72,6 @@ def _put(tree, sharding: Sharding | None):
     return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, where))
 
 
-def rollout_to_batch(ro, advantages, query_index, ref_cache, weights, group_size,
-                     ref_logp=None) -> RLBatch:
-    """The RLBatch (numpy) of one rollout: [query | response] rows, T = P + N."""
-    P = ro.prompt_tokens.shape[1]
-    tokens = np.concatenate([ro.prompt_tokens, ro.response_tokens], axis=1).astype(np.int32)
-    attn = np.concatenate([ro.prompt_mask, ro.response_mask], axis=1).astype(bool)
-    qmask, rmask = masks_from_layout(attn, P)
-    old_logp = np.zeros(qmask.shape, np.float32)
-    old_logp[:, P - 1:] = np.where(ro.response_mask, ro.logp, 0.0)
-    rows_query = np.repeat(np.asarray(query_index), group_size)
-    return RLBatch(
-        tokens=tokens, attn_mask=attn, query_mask=qmask, response_mask=rmask,
-        old_logp=old_logp, advantages=np.asarray(advantages, np.float32),
-        ref_query_logp=ref_cache.batch_layout(rows_query, P, tokens.shape[1]),
-        query_weight=np.asarray(weights, np.float32)[rows_query],
-        group_id=group_ids(len(query_index), group_size), ref_logp=ref_logp)
-
-
 class Trainer:
     """Owns everything a run needs; `run()` trains to `train.steps` (resuming if it can)."""
 
@@ -119,6 +99,12 @@ class Trainer:
                                           t.ckpt_every)
         self._latest = latest = self.ckpt.latest_step()
         self._config_record = None
+        # What the config changes do to the checkpoint's state (train/resume.py):
+        # a change that cannot resume is refused here, before anything is written.
+        self._resume = None
+        if latest is not None:
+            old, _ = rundir.last_config(self.run_dir)
+            self._resume = resume_lib.plan(_saved_config(old), cfg)
         if self.primary:
             # Checked now, written once the start has succeeded (a failed start
             # leaves config.json and config_history.jsonl as they were).
@@ -126,11 +112,17 @@ class Trainer:
                 self.run_dir, config_dict(cfg), normalized, resuming=latest is not None,
                 allow_change=t.allow_config_change, start_step=latest or 0)
             print(describe_method(cfg), flush=True)
+            if cfg.loss.adaptive_kl:
+                print(f"[erpo] {kl_control.describe_reach(cfg)}.", flush=True)
+            for note in self._resume.notes if self._resume else ():
+                print(f"[erpo] {note}.", flush=True)
+            for note in _no_effect(cfg):
+                print(f"[erpo] WARNING: {note}.", flush=True)
 
     def _build(self, cfg: RunConfig) -> None:
         s = startup.start(cfg, measure_drift=True, claim=self._claim)
         cfg = self.cfg = s.cfg   # method resolved
-        t, a, lc = cfg.train, cfg.algo, cfg.loss
+        t, a = cfg.train, cfg.algo
         self.compile_cache, self.sharding = s.compile_cache, s.sharding
         self.model_cfg, params, self.tokenizer = s.model_cfg, s.params, s.tokenizer
         self.task: Task = s.task
@@ -157,10 +149,10 @@ class Trainer:
         self._next_indices = None   # (step, indices) prepared while the last update ran
         self._ahead_position = None   # the iterator position compile-ahead read its prompts at
         if t.compile_ahead and jax.process_count() == 1:
-            if latest is not None and self.recipe.filter_groups:
-                # Dynamic sampling's first prompts are at the checkpoint's iterator
-                # position, which the restore below sets: read it now, so the
-                # thread compiles the width of the prompts the step will sample.
+            if latest is not None:
+                # The first prompts are at the checkpoint's iterator position,
+                # which the restore below sets: read it now, so the thread
+                # compiles the width of the prompts the step will sample.
                 try:
                     self.iterator.set_state(self.ckpt.meta(latest)["data"])
                 except Exception:  # noqa: BLE001 - unreadable: the restore below says why
@@ -227,8 +219,14 @@ class Trainer:
         def why(e):
             cause = str(ckpt_lib.root_cause(e)).strip().split(". ")[:1] or [""]
             return f"{type(e).__name__}: {cause[0][:200]}"
+        plan = self._resume
+        like = self.state
+        if plan is not None and plan.ckpt_kl_coef != (like.kl_coef is not None):
+            # Restore into the checkpoint's own layout, then apply the plan.
+            like = like.replace(kl_coef=jax.device_put(np.float32(0), like.step.sharding)
+                                if plan.ckpt_kl_coef else None)
         try:
-            state, meta, broken = self.ckpt.restore_newest_intact(self.state)
+            state, meta, broken = self.ckpt.restore_newest_intact(like)
         except Exception as e:  # noqa: BLE001 - a sentence, not orbax's traceback
             raise ValueError(
                 f"the checkpoint of step {latest} in {self.ckpt.directory} does not fit the "
@@ -254,6 +252,9 @@ class Trainer:
                 print(f"[erpo] {said}; moved to {self.run_dir / 'broken_checkpoints'}, "
                       f"resuming from step {step}, the newest intact checkpoint: steps "
                       f"{step + 1}-{broken[0][0]} are redone.", flush=True)
+        if plan is not None and plan.kl_coef != "keep":
+            coef = self.programs.init_state_kl_coef() if plan.kl_coef == "start" else None
+            state = state.replace(kl_coef=coef)
         self.state = state
         check_finite(self.state.params, f"the checkpoint of step {step} in "
                      f"{self.ckpt.directory}")
@@ -262,10 +263,13 @@ class Trainer:
     # ------------------------------------------------------------------ pieces
 
     def _draw_at(self, step: int) -> int:
-        """The iterator position of step `step`'s first batch of prompts: the
-        step itself, or with dynamic sampling (which draws a varying number of
-        batches a step) the iterator's position, which the checkpoint holds."""
-        return self.iterator.step if self.recipe.filter_groups else step
+        """The iterator position of step `step`'s first batch of prompts, for
+        the next step to run: the iterator's position, which counts the
+        batches drawn (one a step, or dynamic sampling's draws) and which the
+        checkpoint holds. Never the step number: a run that turned dynamic
+        sampling on or off on resume would otherwise train on batches again."""
+        del step
+        return self.iterator.step
 
     def _prompts_at(self, step: int) -> list:
         """Token ids of step `step`'s (first) training prompts (the iterator is not moved)."""
@@ -356,136 +360,123 @@ class Trainer:
         rewards, reasons = self.task.reward_fn(texts, golds)
         return np.asarray(rewards, np.float32), list(reasons)
 
-    def _filtered_rollouts(self, step: int, first_idx, times: dict):
-        """Dynamic sampling (algo.filter_groups, rl/dynamic_sampling.py):
-        (rollout, prompt indices, task rewards, reasons, info) of the B groups
-        kept out of up to algo.filter_max_batches batches of prompts."""
-        a, G, first = self.cfg.algo, self.G, self._draw_at(step)
-        key = rollout_key(self._rollout_seed, step)
-        pool, varied = [], []   # varied: per draw, which of its groups' rewards differ
-        times["time/rollout"] = times["time/reward"] = 0.0
-        while True:
-            idx = first_idx if not pool else self.iterator.batch_at(first + len(pool))
-            t0 = time.perf_counter()
-            # The first batch keeps the step's key (what a run without filtering draws).
-            ro = self._sample(idx, key if not pool else jax.random.fold_in(key, len(pool)))
-            t1 = time.perf_counter()
-            rewards, reasons = self._score(ro, idx)
-            if jax.process_count() > 1:
-                # Every process must keep the same groups and draw as often: process
-                # 0's rewards decide (a verifier timeout can differ between hosts).
-                from jax.experimental import multihost_utils
-                rewards = np.asarray(multihost_utils.broadcast_one_to_all(rewards))
-            pool.append((ro, np.asarray(idx), rewards, reasons))
-            varied.append(dynamic_sampling.varied_groups(rewards, G))
-            times["time/rollout"] += t1 - t0
-            times["time/reward"] += time.perf_counter() - t1
-            n_varied = sum(int(v.sum()) for v in varied)
-            if n_varied >= self.B or len(pool) >= a.filter_max_batches:
-                break
-        self.iterator.step = first + len(pool)
-        chosen, short = dynamic_sampling.choose_groups(varied, self.B)
-        ro = dynamic_sampling.select([p[0] for p in pool], chosen, G, self.tokenizer.pad_id)
-        rows = lambda g: slice(g * G, (g + 1) * G)
-        info = {"rollout/prompts_sampled": float(len(pool) * self.B),
-                "accuracy": float(np.mean(np.concatenate([p[2] for p in pool]) == 1.0)),
-                "filter/batches": float(len(pool)),
-                "filter/varied_groups": float(n_varied),
-                "filter/short": float(short)}
-        return (ro, np.asarray([pool[d][1][g] for d, g in chosen]),
-                np.concatenate([pool[d][2][rows(g)] for d, g in chosen]),
-                [x for d, g in chosen for x in pool[d][3][rows(g)]], info)
+    def _draw(self, idx, key, times: dict) -> dynamic_sampling.Draw:
+        """Sample and score prompts `idx` with `key` (one draw of a step)."""
+        t0 = time.perf_counter()
+        ro = self._sample(idx, key)
+        stats = dict(self.sampler.last_stats)
+        t1 = time.perf_counter()
+        rewards, reasons = self._score(ro, idx)
+        if jax.process_count() > 1 and self.recipe.filter_groups:
+            # Every process must keep the same groups and draw as often: process
+            # 0's rewards decide (a verifier timeout can differ between hosts).
+            from jax.experimental import multihost_utils
+            rewards = np.asarray(multihost_utils.broadcast_one_to_all(rewards))
+        times["time/rollout"] = times.get("time/rollout", 0.0) + t1 - t0
+        times["time/reward"] = times.get("time/reward", 0.0) + time.perf_counter() - t1
+        return dynamic_sampling.Draw(ro, np.asarray(idx), rewards, reasons, stats)
 
     def _rl_batch(self, step: int):
+        """(batch, critic batch, metrics, times, rollout) of step `step`: the
+        draws (dynamic sampling's, or one), the reference forward dispatched
+        before the scoring where it can overlap it, and `assemble.build_batch`."""
         self._wait_for_compile(everything=False)
-        cfg, G = self.cfg, self.G
+        cfg, G, rec = self.cfg, self.G, self.recipe
         ahead = self._next_indices
+        first = self._draw_at(step)
         idx = (ahead[1] if ahead is not None and ahead[0] == step
-               else self.iterator.batch_at(self._draw_at(step)))
-        times, scored = {}, None
-        if self.recipe.filter_groups:
-            ro, idx, *scored, sample_info = self._filtered_rollouts(step, idx, times)
+               else self.iterator.batch_at(first))
+        key = rollout_key(self._rollout_seed, step)
+        times = {"time/ref": 0.0}
+        select = lambda draws: dynamic_sampling.select(
+            draws, cfg.algo, batch_size=self.B, group_size=G, pad_id=self.tokenizer.pad_id,
+            step=step)
+        pending = None
+        if rec.filter_groups:
+            draws = dynamic_sampling.draw_step(
+                lambda i, k: self._draw(i, k, times), self.iterator.batch_at, first, key,
+                filter_groups=True, batch_size=self.B, group_size=G,
+                limit=dynamic_sampling.max_draws(cfg.algo, self.iterator.batches_per_epoch),
+                first_idx=idx)
+            try:
+                sel = select(draws)
+            except dynamic_sampling.ShortBatch as e:
+                raise self._stopped_short(step, e) from None
+            self.iterator.step = first + len(draws)
+            base = assemble.layout(sel, self.ref_cache, self.weights, G)
+            pending = self._dispatch_reference(base, sel.rollout, times)
         else:
-            self.iterator.step = step + 1
+            # The reference forward is dispatched before the rewards and read
+            # after them: the two overlap.
+            self.iterator.step = first + 1
             t0 = time.perf_counter()
-            ro = self._sample(idx, rollout_key(self._rollout_seed, step))
+            ro = self._sample(idx, key)
+            stats = dict(self.sampler.last_stats)
             times["time/rollout"] = time.perf_counter() - t0
-            sample_info = {"rollout/prompts_sampled": float(self.B)}
-        engine_stats = {f"rollout/{k}": v for k, v in self.sampler.last_stats.items()}
-        batch = rollout_to_batch(ro, np.zeros(ro.response_tokens.shape[0], np.float32), idx,
-                                 self.ref_cache, self.weights, G)
-        lc, a = cfg.loss, cfg.algo
-        t0 = time.perf_counter()
-        ref_logp = None
-        if self.recipe.needs_ref_logp:   # dispatched before the rewards, read after: they overlap
-            ref_logp = self.ref_logp_fn(self.ref_params,
-                                        *_put((batch.tokens, batch.attn_mask), self.sharding),
-                                        last=ro.response_tokens.shape[1])
-            self.ref_forward_calls += 1
-        times["time/ref"] = time.perf_counter() - t0
-        if scored is None:   # scored while the reference forward runs
+            base = assemble.rollout_to_batch(ro, np.zeros(ro.response_tokens.shape[0],
+                                                          np.float32), idx, self.ref_cache,
+                                             self.weights, G)
+            pending = self._dispatch_reference(base, ro, times)
             t0 = time.perf_counter()
-            scored = self._score(ro, idx)
+            rewards, reasons = self._score(ro, idx)
             times["time/reward"] = time.perf_counter() - t0
-            sample_info["accuracy"] = float(np.mean(scored[0] == 1.0))
-        task_rewards, reasons = scored
-        rewards = task_rewards
-        if self.recipe.overlong_buffer:
-            penalty = overlong_penalty(ro.lengths, cfg.rollout.max_new_tokens,
-                                       cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
-            rewards = task_rewards + penalty
-            sample_info["reward/overlong_penalty_mean"] = float(np.mean(penalty))
+            sel = select([dynamic_sampling.Draw(ro, np.asarray(idx), rewards, reasons, stats)])
         t0 = time.perf_counter()
-        if ref_logp is not None:
-            ref_logp = to_host(ref_logp)
+        ref_logp = None if pending is None else to_host(pending)
         times["time/ref"] += time.perf_counter() - t0
-        token = (batch.old_logp, ref_logp) if self._shapes_rewards else (None, None)
-        beta = (self.state.kl_coef if self.recipe.adaptive_kl and self._shapes_rewards
-                else None)
-        shaped, adv = self.advantages_fn(rewards.astype(np.float32), batch.response_mask, *token,
-                                         beta)
-        critic_batch = None
-        if self.recipe.needs_critic:
-            vals = to_host(self.values_fn(
-                self.state.critic, *_put((batch.tokens, batch.attn_mask), self.sharding)))
-            adv, returns = adv_lib.gae(shaped, jnp.asarray(vals), jnp.asarray(batch.response_mask),
-                                       gamma=a.gamma, lam=a.lam, whiten=True)
-            critic_batch = step_lib.CriticBatch(np.asarray(vals, np.float32),
-                                                np.asarray(returns, np.float32))
-        batch = batch._replace(advantages=np.asarray(adv, np.float32), ref_logp=ref_logp)
-        validate_batch(batch, needs_ref_logp=lc.policy_kl_in_loss,
-                       response_width=cfg.rollout.max_new_tokens,
-                       group_size=self.programs.query_group)
-        r = task_rewards.reshape(self.B, G)
-        a_abs = np.abs(batch.advantages)   # per response, or per token (GAE)
-        info = {
-            **sample_info,
-            "advantage_abs_mean": float(a_abs.mean() if a_abs.ndim == 1
-                                        else a_abs[batch.response_mask].mean()),
-            "reward_mean": float(np.mean(rewards)),
-            "response_len_mean": float(np.mean(ro.lengths)),
-            "response_len_max": float(np.max(ro.lengths)),
-            "truncated_frac": float(np.mean(ro.truncated)),
-            **engine_stats,
-            "zero_var_group_frac": float(np.mean(r.max(axis=1) == r.min(axis=1))),
-            **{f"reward/{k}": float(np.mean([x == k for x in reasons]))
-               for k in sorted(set(reasons))},
-        }
-        if self._shapes_rewards:   # the task reward minus the Policy-KL penalty, per response
-            info["reward_shaped_mean"] = float(np.mean(to_host(per_response(shaped))))
-        return batch, critic_batch, info, times, ro
+        values_fn = None
+        if rec.needs_critic:
+            values_fn = lambda tok, m: to_host(self.values_fn(
+                self.state.critic, *_put((tok, m), self.sharding)))
+        out = assemble.build_batch(
+            sel, cfg, rec, ref_cache=self.ref_cache, weights=self.weights,
+            advantages_fn=self.advantages_fn, ref_logp=ref_logp,
+            kl_coef=self.state.kl_coef if rec.adaptive_kl else None, values_fn=values_fn,
+            query_group=self.programs.query_group, base=base)
+        return out.batch, out.critic_batch, out.info, times, sel.rollout
+
+    def _dispatch_reference(self, base: RLBatch, ro, times: dict):
+        """The reference's response log-probs of `base`'s rows, dispatched (a
+        device array; None without Policy-KL)."""
+        if not self.recipe.needs_ref_logp:
+            return None
+        t0 = time.perf_counter()
+        out = self.ref_logp_fn(self.ref_params, *_put((base.tokens, base.attn_mask),
+                                                      self.sharding),
+                               last=ro.response_tokens.shape[1])
+        self.ref_forward_calls += 1
+        times["time/ref"] += time.perf_counter() - t0
+        return out
+
+    def _stopped_short(self, step: int, e: Exception) -> Exception:
+        """Dynamic sampling stopped step `step` short ('error'): the finished
+        steps are saved first, so the run resumes where it stopped."""
+        saved = ""
+        if step > 0 and self.ckpt.latest_step() != step:
+            self.iterator.step = self._draw_at(step)   # the step's first position
+            self._save(step, force=True)
+        if step > 0:
+            saved = (f" Steps 1-{step} are saved in {self.ckpt.directory}; rerunning with the "
+                     "change (and train.allow_config_change=true) resumes from there.")
+        return dynamic_sampling.ShortBatch(f"{e}{saved}")
 
     def _update(self, batch: RLBatch, critic_batch, step: int) -> dict:
         self._wait_for_compile()
         o, G, B = self.cfg.optim, self.G, self.B
         rng = np.random.default_rng([self.cfg.train.seed, 3, step])
         per_mb = B // o.num_minibatches
-        metrics = []
+        # Rows a term reads: a mini-batch of dynamic sampling's filler groups
+        # only (no mask set) carries no signal and takes no optimizer step.
+        live = np.asarray(batch.response_mask).any(-1) | np.asarray(batch.query_mask).any(-1)
+        metrics, idle = [], 0
         for _ in range(o.epochs):
             order = rng.permutation(B)
             for k in range(o.num_minibatches):
                 q = order[k * per_mb:(k + 1) * per_mb]
                 rows = (q[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+                if not live[rows].any():
+                    idle += 1
+                    continue
                 mb, cb = _put(jax.tree_util.tree_map(lambda x: np.asarray(x)[rows],
                                                      (batch, critic_batch)), self.sharding)
                 self.state, m = self.update(self.state, mb, cb)
@@ -493,11 +484,18 @@ class Trainer:
         # While the updates run: the next step's prompt indices (host work).
         self._next_indices = (step + 1, self.iterator.batch_at(self._draw_at(step + 1)))
         host = jax.device_get(metrics)   # every number of the step in one transfer
+        if not host:
+            return {"filter/idle_minibatches": float(idle)}
         counters = host[-1]
         self.nonfinite_in_a_row = int(counters["nonfinite_in_a_row"])
         out = {k: float(np.mean([h[k] for h in host])) for k in host[0]
                if k not in ("skipped_total", "nonfinite_in_a_row")}
         out["nonfinite_skipped_total"] = float(counters["skipped_total"])
+        if "kl_coef" in out:   # the coefficient the step started and ended with
+            out["kl_coef"], out["kl_coef_next"] = (float(host[0]["kl_coef"]),
+                                                   float(host[-1]["kl_coef_next"]))
+        if idle:
+            out["filter/idle_minibatches"] = float(idle)
         return out
 
     def drift(self, params=None) -> dict:
@@ -593,7 +591,7 @@ class Trainer:
                     raise FloatingPointError(
                         f"{self.nonfinite_in_a_row} consecutive updates had a non-finite loss or "
                         f"gradient (limit train.max_nonfinite={t.max_nonfinite}); parameters were "
-                        "left untouched by each. Lower optim.lr or check the data.")
+                        f"left untouched by each. {_nonfinite_cause(row, cfg.loss)}")
                 if t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps):
                     last_eval = self._evaluate(done)
                 stop = self._agreed_stop()
@@ -632,8 +630,6 @@ class Trainer:
         return str(out)
 
     def _save(self, step: int, force: bool = False) -> None:
-        if not self.recipe.filter_groups:   # else the iterator's position is the draws made
-            self.iterator.step = step
         meta = {"step": step, "seed_key": ckpt_lib.key_to_list(self.seed_key),
                 "data": self.iterator.get_state()}
         try:
@@ -655,6 +651,55 @@ class Trainer:
         for part in ("task", "ckpt", "lock"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
+
+
+def _no_effect(cfg: RunConfig) -> list[str]:
+    """Settings that can have no effect in this config (start-up warnings)."""
+    o, lc = cfg.optim, cfg.loss
+    out = []
+    on_policy = o.epochs == 1 and o.num_minibatches == 1
+    default = LossConfigDefaults
+    if on_policy and lc.pg_loss != "kl_cov" and (lc.eps_low, lc.eps_high) != (
+            default.eps_low, default.eps_high):
+        out.append(f"loss.eps_low={lc.eps_low:g} / loss.eps_high={lc.eps_high:g} clip the "
+                   "ratio to the sampling policy, which is 1 (to rounding) with one epoch of "
+                   "one mini-batch: the clip never acts; set optim.num_minibatches or "
+                   "optim.epochs above 1 for it to")
+    if on_policy and lc.pg_loss == "kl_cov":
+        out.append("loss.pg_loss=kl_cov penalises |log r|, which is 0 (to rounding) with one "
+                   "epoch of one mini-batch: it acts as plain -A r; set optim.num_minibatches "
+                   "or optim.epochs above 1 for it to act")
+    return out
+
+
+def _nonfinite_cause(row: dict, loss_cfg) -> str:
+    """What to change after non-finite updates: the terms whose value was
+    non-finite and their coefficients, else the learning rate or the data."""
+    from erpo_jax.rl.terms import TERMS
+    bad = []
+    for name, term in TERMS.items():
+        v = row.get(f"term_{name}")
+        if v is not None and not np.isfinite(v):
+            coef = (f" (loss.{term.coef}={getattr(loss_cfg, term.coef):g})"
+                    if term.coef is not None else "")
+            bad.append(f"term {name} is {v}{coef}")
+    if not bad:
+        return "Lower optim.lr or check the data."
+    return ("The loss's " + ", ".join(bad) + ": lower that coefficient (a finite loss needs "
+            "finite terms), or lower optim.lr.")
+
+
+def _saved_config(data: dict | None) -> RunConfig | None:
+    """The method-resolved RunConfig of a run's recorded config.json (None
+    when there is none or it no longer reads as a config)."""
+    if data is None:
+        return None
+    from erpo_jax.train.config import from_dict
+    from erpo_jax.train.methods import resolve_method
+    try:
+        return resolve_method(from_dict(RunConfig, normalized(data)))
+    except (TypeError, ValueError):
+        return None
 
 
 def _main_thread() -> bool:

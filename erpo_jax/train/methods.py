@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from erpo_jax.rl.terms import TERMS
+
 METHODS = ("erpo", "grpo_policy_kl", "no_kl", "custom")
 ERPO_BETA_QUERY = 0.1      # the demo's and experiments' value
 POLICY_KL_BETA = 0.04      # DeepSeekMath's GRPO value
@@ -68,35 +70,74 @@ def resolve_method(cfg):
         loss=dataclasses.replace(lc, beta_policy=bp, beta_query=bq))
 
 
+# The terms algo.method switches (resolve_method): the header always names
+# them, 'off' when off. Every other registered term is named when it is on.
+METHOD_TERMS = ("policy_kl", "query_kl")
+
+
+def _policy_kl(lc) -> str:
+    if not lc.beta_policy > 0:
+        return "policy_kl=off"
+    adaptive = (f", adaptive to target {lc.kl_target} over {lc.kl_horizon:g} samples"
+                if lc.kl_target > 0 else "")
+    return (f"policy_kl={lc.beta_policy} {lc.policy_kl_estimator} "
+            f"(in the {lc.policy_kl_mode}{adaptive})")
+
+
+def _query_kl(lc) -> str:
+    return (f"query_kl={lc.beta_query} {lc.query_kl_estimator}" if lc.beta_query > 0
+            else "query_kl=off")
+
+
+# The header's words for a term, where they are more than '<name>=<coefficient>'.
+_TERM_TEXT = {"policy_kl": _policy_kl, "query_kl": _query_kl}
+
+
+def _term_text(term, lc) -> str | None:
+    """A registered term's part of the header; None for a term that is off
+    (and for the PG term, which `pg_loss` describes)."""
+    if term.name in _TERM_TEXT:
+        return _TERM_TEXT[term.name](lc)
+    if term.name == "pg" or not term.is_on(lc):
+        return None
+    return term.name if term.coef is None else f"{term.name}={getattr(lc, term.coef)}"
+
+
+# The header's detail of a policy loss (`loss.pg_loss`), where it has settings
+# of its own; any other registered one is named alone.
+_PG_LOSS_DETAIL = {
+    "clip_cov": lambda lc: (f"ratio {lc.clip_cov_ratio:g}, "
+                            f"band ({lc.clip_cov_lb:g}, {lc.clip_cov_ub:g})"),
+    "kl_cov": lambda lc: f"ratio {lc.kl_cov_ratio:g}, coef {lc.kl_cov_coef:g}",
+}
+DEFAULT_PG_LOSS = "ppo_clip"
+
+
 def describe(cfg) -> str:
-    """One line for the run header: the resolved method and what it switched on."""
+    """One line for the run header: the resolved method and what it switched on.
+    Its terms come from the registry (`rl/terms/`): the method's KL terms
+    always, then the weights, then every other registered term that is on,
+    and the policy loss (`rl/policy_losses/`) unless it is the default."""
     a, lc = cfg.algo, cfg.loss
     parts = [f"method={a.method}", f"advantage={a.advantage}"]
-    if lc.beta_policy > 0:
-        adaptive = (f", adaptive to target {lc.kl_target} over {lc.kl_horizon:g} samples"
-                    if lc.kl_target > 0 else "")
-        parts.append(f"policy_kl={lc.beta_policy} {lc.policy_kl_estimator} "
-                     f"(in the {lc.policy_kl_mode}{adaptive})")
-    else:
-        parts.append("policy_kl=off")
-    parts.append(f"query_kl={lc.beta_query} {lc.query_kl_estimator}" if lc.beta_query > 0
-                 else "query_kl=off")
+    texts = {name: _term_text(term, lc) for name, term in TERMS.items()}
+    parts += [texts[name] for name in TERMS if name in METHOD_TERMS]
     w = f"weights={a.weight_scheme}"
     if a.weight_scheme != "uniform":
         w += f" (tau {a.weight_tau}, bounds [{a.weight_min}, {a.weight_max}])"
     parts.append(w)
-    if lc.entropy_coef > 0:
-        parts.append(f"entropy={lc.entropy_coef}")
-    if lc.pg_loss != "ppo_clip":
-        detail = (f"ratio {lc.clip_cov_ratio:g}, band ({lc.clip_cov_lb:g}, {lc.clip_cov_ub:g})"
-                  if lc.pg_loss == "clip_cov" else
-                  f"ratio {lc.kl_cov_ratio:g}, coef {lc.kl_cov_coef:g}"
-                  if lc.pg_loss == "kl_cov" else "")
+    parts += [t for name, t in texts.items() if name not in METHOD_TERMS and t is not None]
+    if lc.pg_loss != DEFAULT_PG_LOSS:
+        detail = _PG_LOSS_DETAIL[lc.pg_loss](lc) if lc.pg_loss in _PG_LOSS_DETAIL else ""
         parts.append(f"pg_loss={lc.pg_loss}" + (f" ({detail})" if detail else ""))
     if lc.eps_high != lc.eps_low:
         parts.append(f"clip=[{1 - lc.eps_low:g}, {1 + lc.eps_high:g}]")
     if a.filter_groups:
-        parts.append(f"dynamic sampling (<= {a.filter_max_batches} batches/step)")
+        cap = (f"<= {a.filter_max_batches} batches/step" if a.filter_max_batches
+               else "no cap but one pass over the data/step")
+        short = ("a short step stops the run" if a.filter_on_short == "error"
+                 else "a short step is padded with flat groups, counted in filter/short")
+        parts.append(f"dynamic sampling ({cap}; {short})")
     if a.overlong_buffer:
         parts.append(f"overlong shaping (last {a.overlong_buffer} tokens, "
                      f"penalty {a.overlong_penalty:g})")

@@ -43,6 +43,25 @@ def check_model_dir(path, what: str = "model.path") -> None:
                           f"exported model is {p / MODEL_SUBDIR}: pass that.")
 
 
+def require_model_dir(path, what: str = "model.path") -> None:
+    """Refuse, naming `what` (a ConfigError, rc 2), a local model directory with
+    no config.json: before a mesh is built or anything is loaded. A relative
+    path is read from the current directory, which the sentence names (an
+    experiment file's `runs/...` paths are relative to where it is run)."""
+    import os
+    check_model_dir(path, what)
+    p = rundir.path(path)
+    if rundir.is_remote(p) or (p / "config.json").is_file():
+        return
+    from erpo_jax.train.config import ConfigError
+    named = "config field model.path:" if what == "model.path" else what
+    where = "" if os.path.isabs(str(path)) else f", read from the current directory {os.getcwd()}"
+    state = "has no config.json" if p.is_dir() else "does not exist"
+    raise ConfigError(f"{named} {path} {state}{where}: it is not a model directory "
+                      "(config.json + *.safetensors, e.g. an `erpo sft` run's <out_dir>/model); "
+                      f"give {what} a model directory.")
+
+
 def load_policy(cfg: RunConfig, sharding: Sharding | None):
     """(ModelConfig, params, Tokenizer) for `cfg.model`, parameters in their sharding."""
     m = cfg.model

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from erpo_jax.runtime import xla_options
@@ -195,6 +196,15 @@ class Programs:
         """A fresh state for loaded parameters, committed to `state_shardings`."""
         return step_lib.init_state(params, self.tx, critic, self.critic_tx, self.sharding,
                                    shardings=self.state_shardings, kl_coef=self._kl_coef0())
+
+    def init_state_kl_coef(self):
+        """A fresh adaptive coefficient (loss.beta_policy), placed as
+        `init_state` places it (None: not adaptive)."""
+        b = self._kl_coef0()
+        if b is None:
+            return None
+        where = (self.state_shardings.kl_coef if self.state_shardings is not None else None)
+        return jax.device_put(np.float32(b), where)
 
     def _kl_coef0(self) -> float | None:
         """The adaptive Policy-KL coefficient's start (None: not adaptive)."""

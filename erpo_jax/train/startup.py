@@ -25,7 +25,8 @@ from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import reference as ref_lib
 from erpo_jax.runtime import compile_cache, rundir
 from erpo_jax.train.config import RunConfig, validate
-from erpo_jax.train.policy import build_sharding, check_finite, load_policy
+from erpo_jax.train.policy import (build_sharding, check_finite, load_policy,
+                                    require_model_dir)
 from erpo_jax.train.tasks import Task, Tokenizer, load_task
 
 
@@ -50,6 +51,8 @@ def start(cfg: RunConfig, *, policy: str = "the starting policy", task: bool = T
     the task (`measure_drift`: the caller logs query drift, tasks.load_task).
     Whatever `claim` took is the caller's to release if a later step raises."""
     validate(cfg)   # before anything is built: a bad field is one sentence, rc 2
+    if cfg.model.init in ("sft", "hf"):   # the model to load exists, before any mesh
+        require_model_dir(cfg.model.path)
     cache = compile_cache.configure(cfg.train.compile_cache)
     sharding = build_sharding(cfg)
     cfg = validate(cfg, jax.device_count())

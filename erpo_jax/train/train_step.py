@@ -32,7 +32,8 @@ from erpo_jax.model.sharding import Sharding
 from erpo_jax.rl import critic as critic_lib
 from erpo_jax.rl import kl_control
 from erpo_jax.rl.batch import RLBatch
-from erpo_jax.rl.loss import LossConfig, loss_terms
+from erpo_jax.rl.loss import LossConfig, loss_selection, loss_terms
+from erpo_jax.rl.policy_losses import get_policy_loss
 from erpo_jax.rl.terms import TERMS
 from erpo_jax.train.config import AlgoSection, OptimSection
 
@@ -172,8 +173,13 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
       (`token_logprobs(group_size=group_size)`): every batch's groups must
       repeat their query (`validate_batch(..., group_size=G)` checks it).
     seed: the run's seed, for a loss that draws (loss.pg_loss='clip_cov'):
-      micro-batch j of the update at optimizer step s draws with
-      fold_in(fold_in(key(seed), s), j), so a resumed run draws the same.
+      the update at optimizer step s draws over its whole mini-batch with
+      fold_in(key(seed), s), so a resumed run draws the same, and so does a
+      run with other micro_batches.
+    A policy loss with a token selection (clip_cov, kl_cov) selects over the
+    whole mini-batch: with micro_batches > 1 the update first runs a
+    gradient-free forward over every micro-batch for it (one more forward
+    per update; none with one micro-batch).
     With `loss.kl_target` the state's kl_coef is the Policy-KL coefficient
     and is adapted after the update (rl/kl_control.py); metrics `kl_coef`
     (the value this update used) and `kl_coef_next`.
@@ -190,15 +196,29 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                    else (lambda g: jax.lax.with_sharding_constraint(g, param_sh)))
 
     adaptive, draws = loss_cfg.adaptive_kl, loss_cfg.needs_key
+    # A policy loss that selects tokens by a statistic of the batch selects
+    # over the whole mini-batch (policy_losses.base): with several
+    # micro-batches, from a gradient-free forward of all of them first.
+    selects = get_policy_loss(loss_cfg.pg_loss).select is not None and n_micro > 1
 
-    def micro_loss(params, mb: RLBatch, shares, coef, key):
-        stats = token_logprobs(params, model_cfg, mb.tokens, mb.attn_mask,
-                               temperature=temperature, chunk_size=chunk_size,
-                               sharding=sharding, response_columns=response_width,
-                               group_size=query_group)
-        terms, metrics = loss_terms(stats, mb, loss_cfg, coef=coef, key=key)
+    def stats_of(params, mb: RLBatch):
+        return token_logprobs(params, model_cfg, mb.tokens, mb.attn_mask,
+                              temperature=temperature, chunk_size=chunk_size,
+                              sharding=sharding, response_columns=response_width,
+                              group_size=query_group)
+
+    def micro_loss(params, mb: RLBatch, shares, coef, key, selected):
+        terms, metrics = loss_terms(stats_of(params, mb), mb, loss_cfg, coef=coef, key=key,
+                                    selected=selected)
         loss = sum(shares[k] * terms[k] for k in terms)
         return loss, (terms, metrics)
+
+    def mini_batch_selection(params, batch: RLBatch, micro: RLBatch, coef, key):
+        """bool[n_micro, m, T-1]: the policy loss's selection over the whole mini-batch."""
+        stats = jax.lax.map(lambda mb: stats_of(jax.lax.stop_gradient(params), mb), micro)
+        whole = jax.tree_util.tree_map(lambda x: x.reshape((-1,) + x.shape[2:]), stats)
+        sel = loss_selection(whole, batch, loss_cfg, coef=coef, key=key)
+        return sel.reshape(micro.response_mask.shape)
 
     def update(state: TrainState, batch: RLBatch, critic_batch):
         # Each micro-batch differentiates the compute-dtype copy of the
@@ -220,14 +240,16 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
         totals = {k: jnp.maximum(jnp.sum(v), 1.0) for k, v in counts.items()}
         cb = _split_micro(critic_batch, n_micro) if critic_batch is not None else None
         coef = {"beta_policy": state.kl_coef} if adaptive else None
+        # One key per mini-batch: the selection is the whole mini-batch's.
         step_key = (jax.random.fold_in(jax.random.key(seed), state.step) if draws else None)
+        selected = (mini_batch_selection(compute_params, batch, micro, coef, step_key)
+                    if selects else None)
 
         def body(acc, xs):
-            mb, cnt, cmb, j = xs
+            mb, cnt, cmb, sel = xs
             shares = {k: cnt[k] / totals[k] for k in cnt}
-            key = None if step_key is None else jax.random.fold_in(step_key, j)
             (loss, (terms, metrics)), g = jax.value_and_grad(micro_loss, has_aux=True)(
-                compute_params, mb, shares, coef, key)
+                compute_params, mb, shares, coef, step_key, sel)
             g = like_params(g)
             grads = jax.tree_util.tree_map(jnp.add, acc["grads"], g)
             out = {"grads": grads, "loss": acc["loss"] + loss}
@@ -245,8 +267,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                 "loss": jnp.zeros((), jnp.float32)}
         if critic_batch is not None:
             acc0["critic_grads"] = jax.tree_util.tree_map(jnp.zeros_like, state.critic)
-        acc, (metrics, terms) = jax.lax.scan(body, acc0, (micro, counts, cb,
-                                                          jnp.arange(n_micro)))
+        acc, (metrics, terms) = jax.lax.scan(body, acc0, (micro, counts, cb, selected))
         grads = acc["grads"]
         if nan_injector is not None:
             grads = nan_injector(grads)

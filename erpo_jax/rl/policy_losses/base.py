@@ -4,13 +4,25 @@
 advantages and the ratio once and asks the entry for the per-token loss. An
 entry is one module under `erpo_jax/rl/policy_losses/`:
 
-    fn(inputs, adv, log_ratio, ratio) -> (per-token loss float32[N, T-1], metrics)
+    fn(inputs, adv, log_ratio, ratio, selected) -> (per-token loss float32[N, T-1], metrics)
+    select(inputs, adv, ratio) -> bool[N, T-1]     (optional)
 
 adv: float32[N, T-1] (0 outside response positions); log_ratio: logp -
 old_logp on response positions (0 elsewhere); ratio: exp(log_ratio), its
 exponent clipped so it cannot overflow. The PG term multiplies the result by
 the per-query weights and aggregates it over the response positions, so a
 policy loss only decides each response token's surrogate.
+
+A policy loss that singles out tokens by a statistic of the batch (Clip-Cov
+and KL-Cov: a covariance centred on the batch's means, a count that is a
+share of its tokens, a random draw) has a `select`. Its selection belongs to
+the whole mini-batch an optimizer step is taken on, not to the micro-batch
+that accumulation happens to cut: the update computes it over the whole
+mini-batch before splitting it (`train_step.build_update`, a gradient-free
+forward when there are several micro-batches) and hands each micro-batch
+its rows of the mask as `selected`. When the loss sees the whole batch
+(one micro-batch, `loss_from_stats`, the inspector) `selected` is None and
+the PG term calls `select` on what it sees, with `inputs.key`.
 """
 
 from __future__ import annotations
@@ -29,7 +41,8 @@ class PolicyLoss:
     """One per-token policy-gradient surrogate.
 
     fn: see the module docstring.
-    needs_key: it draws (a PRNG key reaches it through `LossInputs.key`).
+    select: see the module docstring; None for a per-token surrogate.
+    needs_key: its `select` draws (a PRNG key reaches it through `LossInputs.key`).
     check: cfg -> None, raising ValueError naming a LossConfig field, for its
       own settings; called only when `loss.pg_loss` names it.
     doc: one line for `erpo config --show` and the error listing the entries.
@@ -37,6 +50,7 @@ class PolicyLoss:
 
     name: str
     fn: Callable[..., tuple[jax.Array, dict]]
+    select: Callable[..., jax.Array] | None = None
     needs_key: bool = False
     check: Callable[[Any], None] | None = None
     doc: str = ""
@@ -72,7 +86,8 @@ def ppo_clip_parts(inputs, adv, ratio):
 def token_covariance(inputs, adv):
     """float32[N, T-1]: each response token's centred product
     (A_t - mean A) (logp_t - mean logp), the means over the response tokens
-    of the (micro-)batch; no gradient (it only selects tokens)."""
+    of the batch `inputs` holds (the whole mini-batch: see `select` above);
+    no gradient (it only selects tokens)."""
     sg = jax.lax.stop_gradient
     a, lp = sg(adv), sg(inputs.logp)
     return (a - inputs.tok_mean(a)) * (lp - inputs.tok_mean(lp))

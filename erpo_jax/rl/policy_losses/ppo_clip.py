@@ -7,7 +7,7 @@ from __future__ import annotations
 from erpo_jax.rl.policy_losses.base import PolicyLoss, ppo_clip_parts, register_policy_loss
 
 
-def ppo_clip(inputs, adv, log_ratio, ratio):
+def ppo_clip(inputs, adv, log_ratio, ratio, selected=None):
     pg, _, metrics = ppo_clip_parts(inputs, adv, ratio)
     return pg, metrics
 

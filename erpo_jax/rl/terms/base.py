@@ -61,7 +61,10 @@ class LossInputs(NamedTuple):
     the configured aggregation over response positions; coef: name -> the
     coefficient in use (a LossConfig field, or a value the update passes in,
     e.g. the adaptive Policy-KL coefficient); key: a PRNG key for terms that
-    draw (None where no active piece needs one).
+    draw (None where no active piece needs one); selected: bool[N, T-1], the
+    tokens the policy loss singles out when they were chosen over a larger
+    batch than this one (the update's whole mini-batch, `policy_losses.base`),
+    else None.
     """
 
     logp: jax.Array
@@ -74,6 +77,7 @@ class LossInputs(NamedTuple):
     agg: Callable[[jax.Array], jax.Array]
     coef: Callable[[str], Any]
     key: jax.Array | None = None
+    selected: jax.Array | None = None
 
     def tok_mean(self, x: jax.Array) -> jax.Array:
         """Mean of x over the response tokens (a monitor: no aggregation mode)."""

@@ -12,7 +12,9 @@ from erpo_jax.rl.policy_losses import get_policy_loss
 from erpo_jax.rl.terms.base import Term, register
 
 
-def pg(inputs):
+def pg_parts(inputs):
+    """(adv, log_ratio, ratio), float32[N, T-1], 0 / 0 / 1 outside the response
+    positions: what every policy loss reads."""
     batch, rm = inputs.batch, inputs.rm
     f32 = lambda x: x.astype(jnp.float32)
     adv = f32(batch.advantages)
@@ -20,7 +22,26 @@ def pg(inputs):
     adv = jnp.where(rm, adv, 0.0)
     log_ratio = jnp.where(rm, inputs.logp - f32(batch.old_logp), 0.0)
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))  # cannot overflow
-    per_token, metrics = get_policy_loss(inputs.cfg.pg_loss).fn(inputs, adv, log_ratio, ratio)
+    return adv, log_ratio, ratio
+
+
+def selection(inputs):
+    """bool[N, T-1] or None: the tokens the policy loss singles out, computed
+    on the batch `inputs` holds (`policy_losses.base`: the whole mini-batch)."""
+    entry = get_policy_loss(inputs.cfg.pg_loss)
+    if entry.select is None:
+        return None
+    adv, _, ratio = pg_parts(inputs)
+    return jax.lax.stop_gradient(entry.select(inputs, adv, ratio))
+
+
+def pg(inputs):
+    batch, rm = inputs.batch, inputs.rm
+    f32 = lambda x: x.astype(jnp.float32)
+    adv, log_ratio, ratio = pg_parts(inputs)
+    selected = inputs.selected if inputs.selected is not None else selection(inputs)
+    per_token, metrics = get_policy_loss(inputs.cfg.pg_loss).fn(inputs, adv, log_ratio, ratio,
+                                                                selected)
     per_token = per_token * f32(batch.query_weight)[:, None]
     sg = jax.lax.stop_gradient
     any_tok = jnp.any(rm)

@@ -10,10 +10,12 @@ logit bias on a near-uniform next-token distribution.
 Both engines get the same prompts and key and the same memory: the static
 engine runs calls of `slots / G` prompts (`max_prompts_per_call`, its KV
 cache `slots` rows), the continuous engine a pool of `slots` slots keyed as
-those calls. So they draw the same samples (checked: `same_samples`), and
-the table compares only the schedule: decode steps, token-slot utilisation
-(tokens sampled by decode steps / (slots x steps)) and wall time, best of
-`repeats` interleaved calls after a warm-up that compiles.
+those calls. So they draw the same samples, to float rounding: a draw can
+flip where rounding moves it across a token boundary (checked here:
+`same_samples`), and the table compares only the schedule: decode steps,
+token-slot utilisation (tokens sampled by decode steps / (slots x steps))
+and wall time, best of `repeats` interleaved calls after a warm-up that
+compiles.
 """
 
 from __future__ import annotations
