@@ -18,7 +18,7 @@ ALLOW = "train.allow_config_change=true"
 
 def _files(run):
     return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
+            if p.is_file() and p.name != "run.lock"}
 
 
 def _rows(run):
@@ -105,11 +105,14 @@ def test_adding_a_critic_is_refused_with_the_run_untouched(base_run):
 
 
 @pytest.mark.parametrize("change", [("rollout.engine=static",),
-                                    ("rollout.engine=continuous", "rollout.slots=4",
+                                    ("rollout.engine=continuous", "rollout.slots=16",
                                      "rollout.refill=2")])
 def test_engine_changes_resume_without_allow_config_change_and_are_recorded(base_run, change):
-    run, cfg = _resume(base_run, "engine_" + str(len(change)), 3, *change)
+    # Resumed from step 1 (its step-2 checkpoint removed): train.steps stays as it was.
+    run, cfg = _resume(base_run, "engine_" + str(len(change)), 2, *change)
+    shutil.rmtree(run / "checkpoints" / "2")
     assert train(cfg)["status"] == "done"
+    assert sorted(_rows(run)) == [1, 2]
     changed = _history(run)[-1]["changed"]
     for c in change:   # recorded, 'auto' -> 'static' too
         assert c.split("=")[0] in changed, (c, changed)

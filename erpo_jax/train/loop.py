@@ -148,6 +148,7 @@ class Trainer:
         self.start_step = 0 if latest is None else latest
         self._next_indices = None   # (step, indices) prepared while the last update ran
         self._ahead_position = None   # the iterator position compile-ahead read its prompts at
+        self._started = None   # (step, iterator position) of the step being drawn
         if t.compile_ahead and jax.process_count() == 1:
             if latest is not None:
                 # The first prompts are at the checkpoint's iterator position,
@@ -268,8 +269,8 @@ class Trainer:
         batches drawn (one a step, or dynamic sampling's draws) and which the
         checkpoint holds. Never the step number: a run that turned dynamic
         sampling on or off on resume would otherwise train on batches again."""
-        del step
-        return self.iterator.step
+        started = self._started
+        return started[1] if started is not None and started[0] == step else self.iterator.step
 
     def _prompts_at(self, step: int) -> list:
         """Token ids of step `step`'s (first) training prompts (the iterator is not moved)."""
@@ -384,6 +385,7 @@ class Trainer:
         cfg, G, rec = self.cfg, self.G, self.recipe
         ahead = self._next_indices
         first = self._draw_at(step)
+        self._started = (step, first)   # a second call for the step draws the same
         idx = (ahead[1] if ahead is not None and ahead[0] == step
                else self.iterator.batch_at(first))
         key = rollout_key(self._rollout_seed, step)
