@@ -165,9 +165,11 @@ def _eval(args) -> int:
 
 
 def _config(args) -> int:
+    from erpo_jax.train.config import validate
     from erpo_jax.train.config_doc import show_lines
-    from erpo_jax.train.methods import resolve_method
-    cfg = resolve_method(_load(args))   # the method's coefficients, as the run saves them
+    # Checked as `erpo train` checks it (a config it would refuse is refused here,
+    # rc 2), method resolved: the coefficients as the run saves them.
+    cfg = validate(_load(args))
     args.run_dir = None
     print("\n".join(show_lines(cfg, docs=not args.no_docs)))
     return 0

@@ -78,3 +78,13 @@ def test_a_non_finite_abort_names_the_term_and_its_coefficient():
     assert "term entropy is -inf (loss.entropy_coef=1e+38)" in msg and "lower that" in msg
     assert "optim.lr" in _nonfinite_cause({"term_pg": float("nan")}, lc)
     assert _nonfinite_cause({"term_pg": 0.1}, lc) == "Lower optim.lr or check the data."
+
+
+def test_config_show_refuses_what_train_refuses(capsys):
+    from erpo_jax import cli
+    assert cli.main(["config", "--show", "algo.filter_max_batches=-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("erpo config: config field algo.filter_max_batches:") and \
+        len(err.splitlines()) == 1
+    assert cli.main(["config", "--show", "algo.filter_max_batches=0"]) == 0   # no cap
+    assert "algo.filter_max_batches = 0" in capsys.readouterr().out
