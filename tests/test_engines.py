@@ -110,6 +110,20 @@ def test_max_prompts_keys_as_the_static_calls(params):
     assert_same_samples(want, got, "max_prompts=3")
 
 
+def test_max_prompts_equal_to_the_prompts_keys_as_one_call(params, static_out):
+    """max_prompts_per_call equal to the number of prompts: the static engine
+    makes one unchunked call (keys fold_in(key, r), not chunk 0's
+    fold_in(fold_in(key, 0), r)), and the continuous engine keys its samples
+    the same: the boundary of `0 < max_prompts < B` in `ContinuousEngine.run`."""
+    n = len(PROMPTS)
+    want = Sampler(CFG, SC).sample(params, PROMPTS, KEY, max_prompts=n)
+    assert_same_samples(static_out, want, "static max_prompts=len(prompts)")
+    got = ContinuousEngine(CFG, SC, slots=6).sample(params, PROMPTS, KEY, max_prompts=n)
+    np.testing.assert_array_equal(want.response_tokens, got.response_tokens,
+                                  err_msg="max_prompts=len(prompts)")
+    assert_same_samples(want, got, "max_prompts=len(prompts)")
+
+
 def test_no_retrace_and_a_handful_of_programs(params):
     engine = ContinuousEngine(CFG, SC, slots=6)
     engine.sample(params, PROMPTS, KEY)
@@ -151,6 +165,27 @@ def test_bad_pools_are_refused_naming_the_field():
             make_engine(name, CFG, long, slots=4)
     # The automatic pool: the static engine's rows per call, on the data axes.
     assert make_engine("continuous", CFG, SC, sh, rows_per_call=10).slots == 12
+
+
+@pytest.mark.parametrize("overrides, mesh, slots", [
+    (["train.batch_size=5", "rollout.group_size=4"], None, 20),
+    (["train.batch_size=5", "rollout.group_size=3"], (4, 1, 1), 16),   # 15 rounded up to 4s
+    (["train.batch_size=6", "rollout.group_size=4", "rollout.max_prompts_per_call=2"],
+     None, 8)])
+def test_the_trainers_automatic_pool_is_b_times_g(overrides, mesh, slots):
+    """rollout.slots=0: the continuous engine the Trainer samples with
+    (`Programs.sampler`) has the static engine's rows per call, B x G (or
+    max_prompts_per_call x G), rounded up to the data-parallel size; a pool
+    of B slots would draw the same samples up to G times slower."""
+    from erpo_jax.train.config import RunConfig, apply_overrides
+    from erpo_jax.train.programs import Programs
+    cfg = apply_overrides(RunConfig(), ["rollout.engine=continuous", "rollout.slots=0",
+                                        "rollout.max_new_tokens=16", "data.max_prompt_len=16",
+                                        *overrides])
+    sh = None if mesh is None else Sharding(make_mesh(mesh, jax.devices()[:int(np.prod(mesh))]))
+    progs = Programs(cfg, CFG, sh, eos_ids=EOS, pad_id=0)
+    assert isinstance(progs.sampler, ContinuousEngine)
+    assert progs.sampler.slots == slots
 
 
 def test_config_validation_names_engine_fields():

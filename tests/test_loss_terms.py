@@ -278,3 +278,81 @@ def test_inspector_shows_the_covariance_losses_with_query_kl_zeros():
         rep = grad_flow.inspect_gradients(params, mcfg, b, cfg, 1.0)["terms"]
         assert rep["query_kl"]["logit_grad_response"] == 0.0 < rep["query_kl"]["logit_grad_query"]
         assert rep["pg"]["logit_grad_query"] == 0.0 < rep["pg"]["logit_grad_response"]
+
+
+# ----------------------------------------------------------------------------- rollout correction
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_rollout_correction_removes_exactly_the_out_of_band_tokens(mode):
+    """Masked importance sampling against the sampler: d PG / d logp is
+    exactly 0 on the response tokens (token_mask) or the sequences
+    (sequence_mask, geometric-mean ratio) outside [low, high], and exactly the
+    uncorrected term's on every other token (masked tokens stay in the
+    token-mean's denominator); Query-KL's gradient still never reaches a
+    response position, nor PG's a query position."""
+    logits, batch = toy_batch(seed=4, B=3, G=4, R=6)
+    st = stats_from_logits(logits, batch.tokens[:, 1:], TEMP)
+    rm, qm = np.asarray(batch.response_mask), np.asarray(batch.query_mask)
+    # log r = logp - old_logp: 0.9 and -1.2 leave [log 0.5, log 2]; 0.3, -0.4 do not.
+    log_r = np.random.default_rng(0).choice([-1.2, -0.4, 0.0, 0.3, 0.9], rm.shape)
+    batch = batch._replace(old_logp=np.where(rm, np.asarray(st.logp) - log_r, 0.0)
+                           .astype(np.float32))
+    log_r = np.where(rm, np.asarray(st.logp, np.float64) - np.asarray(batch.old_logp), 0.0)
+    lo, hi = np.log(0.5), np.log(2.0)
+    if mode == "token_mask":
+        inside = (log_r >= lo) & (log_r <= hi)
+    else:
+        geo = log_r.sum(-1) / np.maximum(rm.sum(-1), 1)
+        inside = np.broadcast_to(((geo >= lo) & (geo <= hi))[:, None], rm.shape)
+    masked = rm & ~inside
+    assert 1 < masked.sum() < rm.sum() - 1, masked.sum()
+    # A clip range wide enough that no token's PG gradient is clipped to 0.
+    plain = LossConfig(eps_low=0.9, eps_high=10.0, beta_query=0.5)
+    cfg = dataclasses.replace(plain, rollout_correction=mode)
+    grad = lambda c: np.asarray(jax.grad(
+        lambda lp: loss_terms(st._replace(logp=lp), batch, c)[0]["pg"])(st.logp))
+    g, g0 = grad(cfg), grad(plain)
+    assert np.all(g[masked] == 0) and np.all(g0[masked] != 0)
+    np.testing.assert_array_equal(g[rm & ~masked], g0[rm & ~masked])
+    assert np.all(g[~rm] == 0)
+    # The kept tokens' gradient is -A w r / n, n every response token (masked included).
+    adv = np.asarray(batch.advantages)[:, None] * np.ones(rm.shape)
+    w = np.asarray(batch.query_weight)[:, None] * np.ones(rm.shape)
+    keep = rm & ~masked
+    np.testing.assert_allclose(g[keep], (-adv * np.exp(log_r) * w)[keep] / rm.sum(), rtol=1e-5)
+    _, metrics = loss_terms(st, batch, cfg)
+    np.testing.assert_allclose(float(metrics["rollout_correction_masked_frac"]),
+                               masked.sum() / rm.sum(), rtol=1e-6)
+    # Through the logits: PG never reaches a query position, Query-KL never a response one.
+    _, g_pg = term_grad("pg", logits, batch, cfg)
+    _, gq = term_grad("query_kl", logits, batch, cfg)
+    assert np.all(np.asarray(g_pg)[qm] == 0) and np.abs(np.asarray(g_pg)[rm]).sum() > 0
+    assert np.all(np.asarray(gq)[rm] == 0) and np.abs(np.asarray(gq)[qm]).sum() > 0
+
+
+def test_rollout_correction_refuses_bad_bounds_naming_the_field():
+    for kw, field in ((dict(rollout_correction="tis"), "rollout_correction is 'tis'"),
+                      (dict(rollout_correction_low=2.0, rollout_correction_high=0.5),
+                       r"rollout_correction_low is 2.0, not below .*rollout_correction_high "
+                       r"\(0.5\).*empty or inverted"),
+                      (dict(rollout_correction_low=1.5, rollout_correction_high=1.5),
+                       "rollout_correction_low is 1.5, not below"),
+                      (dict(rollout_correction_low=0.0), r"rollout_correction_low must be in "
+                                                         r"\(0, 1\)"),
+                      (dict(rollout_correction_high=1.0), "rollout_correction_high must be > 1")):
+        with pytest.raises(ValueError, match="LossConfig." + field):
+            LossConfig(**{"rollout_correction": "token_mask", **kw})
+    from erpo_jax.train.config import apply_overrides
+    with pytest.raises(ConfigError, match=r"config field loss.rollout_correction_high: must be "
+                                          r"> 1"):
+        validate(apply_overrides(RunConfig(), ["loss.rollout_correction=sequence_mask",
+                                               "loss.rollout_correction_high=0.9"]))
+
+
+def test_the_run_header_names_the_rollout_correction_when_on():
+    from erpo_jax.train.config import apply_overrides
+    from erpo_jax.train.methods import describe
+    line = describe(apply_overrides(RunConfig(), ["loss.rollout_correction=token_mask",
+                                                  "loss.rollout_correction_low=0.8"]))
+    assert "rollout_correction=token_mask [0.8, 2]" in line, line
+    assert "rollout_correction" not in describe(RunConfig())

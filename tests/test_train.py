@@ -210,6 +210,77 @@ def test_micro_batch_accumulation_is_exact(pg_loss):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+# log r = logp - old_logp per response token: 0.5 leaves [0.9, 1.1], 0.02 does not.
+MISMATCH_OFFSETS = (-0.5, -0.02, 0.0, 0.02, 0.5)
+
+
+def _mismatched(params, batch):
+    """The batch with old_logp = logp - offsets (numpy, float64) on its response tokens."""
+    from erpo_jax.model.config import ModelConfig
+    from erpo_jax.model.logprobs import token_logprobs
+    lp = np.asarray(token_logprobs(params, ModelConfig(), batch.tokens, batch.attn_mask).logp)
+    rm = np.asarray(batch.response_mask)
+    off = np.where(rm, np.random.default_rng(3).choice(MISMATCH_OFFSETS, rm.shape), 0.0)
+    old = np.where(rm, lp - off, 0.0).astype(np.float32)
+    return batch._replace(old_logp=jnp.asarray(old)), off, rm
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_first_pass_mismatch_metrics_are_the_closed_forms(micro_batches):
+    """On the update's first pass the ratio is the sampler/trainer mismatch:
+    with old_logp = logp - d, the update reports mean |d| over the response
+    tokens, the share of tokens with exp(d) outside [0.9, 1.1] and the largest
+    per-sequence |sum d|, over the whole mini-batch whatever its micro-batches
+    (a plain mean of micro-batch means, or of their maxima, is not these)."""
+    params, state, upd, batch = _tiny_update(micro_batches)
+    batch, off, rm = _mismatched(params, batch)
+    n = rm.sum()
+    want = {"mismatch/logp_abs_mean": np.abs(off).sum() / n,
+            "mismatch/ratio_out_frac": (np.abs(off) > 0.1).sum() / n,
+            "mismatch/seq_logp_abs_max": np.abs(off.sum(-1)).max()}
+    _, m = upd(state, batch, None)
+    for k, v in want.items():
+        np.testing.assert_allclose(float(m[k]), v, rtol=0, atol=2e-5, err_msg=k)
+    if micro_batches > 1:   # the batch tells the combinations apart
+        halves = np.split(np.arange(rm.shape[0]), micro_batches)
+        naive = np.mean([np.abs(off[h]).sum() / rm[h].sum() for h in halves])
+        assert abs(naive - want["mismatch/logp_abs_mean"]) > 1e-3
+        assert np.mean([np.abs(off[h].sum(-1)).max() for h in halves]) < \
+            want["mismatch/seq_logp_abs_max"] - 1e-3
+
+
+def test_the_step_logs_the_mismatch_of_its_first_update():
+    """Trainer._update: every other metric is the mean over the step's
+    updates; the mismatch is the first update's (the policy that sampled)."""
+    import types
+    from erpo_jax.rl.batch import RLBatch
+    from erpo_jax.train.config import RunConfig, apply_overrides
+    cfg = apply_overrides(RunConfig(), ["optim.epochs=2", "optim.num_minibatches=2"])
+    N, T = 4 * 2, 5
+    batch = RLBatch(tokens=np.zeros((N, T), np.int32), attn_mask=np.ones((N, T), bool),
+                    query_mask=np.zeros((N, T - 1), bool),
+                    response_mask=np.ones((N, T - 1), bool),
+                    old_logp=np.zeros((N, T - 1), np.float32),
+                    advantages=np.zeros(N, np.float32),
+                    ref_query_logp=np.zeros((N, T - 1), np.float32),
+                    query_weight=np.ones(N, np.float32), group_id=np.arange(N) // 2)
+    calls = []
+
+    def update(state, mb, cb):
+        calls.append(len(calls))
+        i = float(len(calls))
+        return state, {"loss": i, "mismatch/logp_abs_mean": i, "mismatch/seq_logp_abs_max": i,
+                       "skipped_total": 0, "nonfinite_in_a_row": 0}
+
+    fake = types.SimpleNamespace(
+        cfg=cfg, G=2, B=4, sharding=None, state=None, update=update,
+        _wait_for_compile=lambda: None, _draw_at=lambda step: 0,
+        iterator=types.SimpleNamespace(batch_at=lambda pos: None))
+    out = Trainer._update(fake, batch, None, 0)
+    assert len(calls) == 4 and out["loss"] == 2.5
+    assert out["mismatch/logp_abs_mean"] == out["mismatch/seq_logp_abs_max"] == 1.0
+
+
 def _assert_same_update(out1, out2):
     """Two updates' (state, metrics): the same metrics and parameters."""
     (n1, m1), (n2, m2) = out1, out2

@@ -142,7 +142,7 @@ def select(draws: Sequence[Draw], algo, *, batch_size: int, group_size: int, pad
     ('error', a sentence naming the step, the groups found and the fields),
     or filler groups ('pad')."""
     G, B = group_size, batch_size
-    info = {"rollout/prompts_sampled": float(sum(len(d.idx) for d in draws)),
+    info = {"rollout/prompts_sampled": float(len(draws) * B),   # every process's
             "accuracy": float(np.mean(np.concatenate([d.rewards for d in draws]) == 1.0)),
             **{f"rollout/{k}": v for k, v in engine_stats(draws).items()}}
     if not algo.filter_groups:

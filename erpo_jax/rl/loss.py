@@ -45,6 +45,7 @@ from erpo_jax.rl.query_kl import check_loss_estimator
 # TERMS: the registered terms, name -> Term, in their order (the loss's dict,
 # the update's shares, the inspector's rows); re-exported here.
 from erpo_jax.rl.terms import AGG_MODES, TERMS, LossInputs, aggregate  # noqa: F401
+from erpo_jax.rl.terms.pg import ROLLOUT_CORRECTIONS
 
 POLICY_KL_MODES = ("loss", "reward")
 
@@ -99,6 +100,19 @@ class LossConfig:
     kl_horizon: the adaptive controller's horizon in samples: one update on
       n samples changes the coefficient by at most 20% * min(n / kl_horizon, 1)
       (rl/kl_control.py; the cap keeps it positive).
+    rollout_correction: 'none' (default), 'token_mask' or 'sequence_mask':
+      masked importance sampling against the sampler (as verl's and TRL's).
+      The ratio is the current policy's against the sampler's log-probs
+      (batch.old_logp; on the update's first pass exactly the sampler/trainer
+      mismatch). 'token_mask' removes from the PG term the response tokens
+      whose ratio is outside [rollout_correction_low, rollout_correction_high];
+      'sequence_mask' removes every token of the sequences whose
+      geometric-mean ratio exp(mean_t log r) (over their response tokens) is
+      outside it. Masked tokens add 0 to the PG term and stay in its
+      denominator (counted as 0, verl's convention); the other terms are
+      untouched (rl/terms/pg.py).
+    rollout_correction_low, rollout_correction_high: the band of kept ratios,
+      bounds included; 0 < low < 1 < high (defaults 0.5 and 2.0).
     """
 
     eps_low: float = 0.2
@@ -122,6 +136,9 @@ class LossConfig:
     kl_cov_tol: float = 1e-4
     kl_target: float = 0.0
     kl_horizon: float = 10000.0
+    rollout_correction: str = "none"
+    rollout_correction_low: float = 0.5
+    rollout_correction_high: float = 2.0
 
     def __post_init__(self):
         if not _DEFERRED.get():
@@ -173,6 +190,20 @@ class LossConfig:
                 raise ValueError(f"LossConfig.kl_target={self.kl_target} adapts beta_policy, "
                                  "which is 0 (Policy-KL off); set beta_policy to the initial "
                                  "coefficient.")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"LossConfig.rollout_correction is {self.rollout_correction!r}; "
+                             f"choose one of {ROLLOUT_CORRECTIONS}.")
+        lo, hi = self.rollout_correction_low, self.rollout_correction_high
+        if not lo < hi:
+            raise ValueError(f"LossConfig.rollout_correction_low is {lo}, not below "
+                             f"LossConfig.rollout_correction_high ({hi}): the band of kept "
+                             "ratios is empty or inverted; set e.g. 0.5 and 2.0.")
+        if not 0.0 < lo < 1.0:
+            raise ValueError(f"LossConfig.rollout_correction_low must be in (0, 1), below the "
+                             f"ratio 1 of a sampler that matches the trainer, got {lo}.")
+        if not hi > 1.0:
+            raise ValueError(f"LossConfig.rollout_correction_high must be > 1, above the ratio "
+                             f"1 of a sampler that matches the trainer, got {hi}.")
         for term in TERMS.values():
             if term.check is not None:
                 term.check(self)

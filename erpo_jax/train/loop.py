@@ -493,6 +493,9 @@ class Trainer:
         out = {k: float(np.mean([h[k] for h in host])) for k in host[0]
                if k not in ("skipped_total", "nonfinite_in_a_row")}
         out["nonfinite_skipped_total"] = float(counters["skipped_total"])
+        # The sampler/trainer mismatch from the step's first update: its first
+        # pass runs the policy that sampled, so log r is exactly the mismatch.
+        out.update({k: float(v) for k, v in host[0].items() if k.startswith("mismatch/")})
         if "kl_coef" in out:   # the coefficient the step started and ended with
             out["kl_coef"], out["kl_coef_next"] = (float(host[0]["kl_coef"]),
                                                    float(host[-1]["kl_coef_next"]))

@@ -117,7 +117,8 @@ def describe(cfg) -> str:
     """One line for the run header: the resolved method and what it switched on.
     Its terms come from the registry (`rl/terms/`): the method's KL terms
     always, then the weights, then every other registered term that is on,
-    and the policy loss (`rl/policy_losses/`) unless it is the default."""
+    the policy loss (`rl/policy_losses/`) unless it is the default, and the
+    rollout correction (`loss.rollout_correction`) unless it is 'none'."""
     a, lc = cfg.algo, cfg.loss
     parts = [f"method={a.method}", f"advantage={a.advantage}"]
     texts = {name: _term_text(term, lc) for name, term in TERMS.items()}
@@ -130,6 +131,9 @@ def describe(cfg) -> str:
     if lc.pg_loss != DEFAULT_PG_LOSS:
         detail = _PG_LOSS_DETAIL[lc.pg_loss](lc) if lc.pg_loss in _PG_LOSS_DETAIL else ""
         parts.append(f"pg_loss={lc.pg_loss}" + (f" ({detail})" if detail else ""))
+    if lc.rollout_correction != "none":
+        parts.append(f"rollout_correction={lc.rollout_correction} "
+                     f"[{lc.rollout_correction_low:g}, {lc.rollout_correction_high:g}]")
     if lc.eps_high != lc.eps_low:
         parts.append(f"clip=[{1 - lc.eps_low:g}, {1 + lc.eps_high:g}]")
     if a.filter_groups:

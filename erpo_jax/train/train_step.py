@@ -35,6 +35,7 @@ from erpo_jax.rl.batch import RLBatch
 from erpo_jax.rl.loss import LossConfig, loss_selection, loss_terms
 from erpo_jax.rl.policy_losses import get_policy_loss
 from erpo_jax.rl.terms import TERMS
+from erpo_jax.rl.terms import pg as pg_term
 from erpo_jax.train.config import AlgoSection, OptimSection
 
 
@@ -183,6 +184,10 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
     With `loss.kl_target` the state's kl_coef is the Policy-KL coefficient
     and is adapted after the update (rl/kl_control.py); metrics `kl_coef`
     (the value this update used) and `kl_coef_next`.
+    Metrics are the micro-batches' means, except the sampler/trainer
+    mismatch's (`mismatch/*`, rl/terms/pg.py) and
+    `rollout_correction_masked_frac`: token means over the whole mini-batch's
+    response tokens, and its largest per-sequence |sum log r|.
     """
     if share_query and response_width is None:
         raise ValueError("build_update: share_query needs response_width (the query is the "
@@ -279,6 +284,12 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
         opt_state = _select(ok, new_opt, state.opt_state)
         critic, critic_opt = state.critic, state.critic_opt
         out_metrics = {k: jnp.mean(v) for k, v in metrics.items()}
+        # Over the whole mini-batch: token means weighted by each micro-batch's
+        # response tokens, maxima as maxima (the sampler/trainer mismatch, pg.py).
+        toks = metrics["response_tokens"]
+        out_metrics.update({k: jnp.sum(metrics[k] * toks) / jnp.maximum(jnp.sum(toks), 1.0)
+                            for k in pg_term.TOKEN_MEAN_METRICS if k in metrics})
+        out_metrics.update({k: jnp.max(metrics[k]) for k in pg_term.MAX_METRICS if k in metrics})
         # A per-micro-batch value over the whole mini-batch: each micro-batch
         # weighted by its share of term k's normaliser.
         by_share = lambda v, k: jnp.sum(v * counts[k] / totals[k])
