@@ -354,3 +354,34 @@ def test_a_verifier_timeout_is_named_as_the_verifiers(tmp_path, tok_dir, monkeyp
     kept, report = drop_unparseable(probs, reasons, "t.jsonl", skip_bad_rows=True)
     assert [p.id for p in kept] == ["t/0", "t/2"]
     assert report == {"unparseable": 0, "first_ids": ["t/1"], "timed_out": 1}
+
+
+def test_held_out_rows_beyond_the_file_and_the_drift_set_size_are_said(tmp_path, tok_dir,
+                                                                      capsys):
+    """Issue 49: data.n_drift past the file's rows is one sentence (not 'leaves -10 of
+    20'); train.drift_queries above the drift set's size is said at start."""
+    train = _write(tmp_path / "t.jsonl", [{"question": f"q{i}", "answer": str(i)}
+                                           for i in range(20)])
+    tok = load_tokenizer(tok_dir)
+    with pytest.raises(ValueError, match=r"config field data.n_drift: holds 30 rows .* has 20 "
+                                         r"training rows"):
+        load_task(_cfg(tmp_path, tok_dir, train, "data.n_drift=30"), tok)
+    task = load_task(_cfg(tmp_path, tok_dir, train, "data.n_drift=4", "train.drift_every=2",
+                          "train.drift_queries=100"), tok)
+    task.close()
+    assert len(task.drift_set) == 4
+    assert ("train.drift_queries=100 but the held-out drift set has 4 queries"
+            in capsys.readouterr().out)
+
+
+def test_training_evaluation_with_no_evaluation_set_is_refused(tmp_path, tok_dir, capsys):
+    train = _write(tmp_path / "t.jsonl", [{"question": f"q{i}", "answer": str(i)}
+                                           for i in range(20)])
+    argv = ["train", "data.task=jsonl", f"data.train_file={train}", "data.template=chat",
+            "model.init=hf", f"model.path={tok_dir}", "data.max_prompt_len=256",
+            "train.batch_size=4", "reward.workers=1", "data.n_drift=4", "train.eval_every=1",
+            f"train.out_dir={tmp_path / 'run'}", "train.progress=false"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("erpo train: config field train.eval_every: is 1, but the task has "
+                          "no evaluation set") and len(err.splitlines()) == 1

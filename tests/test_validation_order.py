@@ -4,6 +4,7 @@ agree, every message names the field), a setting that cannot act is warned
 about at start, and a non-finite abort names the term and its coefficient."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,26 @@ def test_config_show_refuses_what_train_refuses(capsys):
         len(err.splitlines()) == 1
     assert cli.main(["config", "--show", "algo.filter_max_batches=0"]) == 0   # no cap
     assert "algo.filter_max_batches = 0" in capsys.readouterr().out
+
+
+def test_a_mesh_that_does_not_fit_the_devices_names_mesh_shape(tmp_path, capsys):
+    from erpo_jax import cli
+    import jax
+    n = jax.device_count()
+    assert cli.main(["train", "model.init=random", f"mesh.shape={2 * n},1,1",
+                     f"train.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("erpo train: config field mesh.shape:") and "-1" in err
+
+
+@pytest.mark.parametrize("arg,text", [("--step=-1", "--step is -1"),
+                                      ("--queries=0", "--queries is 0")])
+def test_inspect_grads_names_the_one_argument_that_is_wrong(arg, text, tmp_path, capsys):
+    from erpo_jax import cli
+    exp = Path(__file__).resolve().parent.parent / "experiments" / "main_comparison.py"
+    assert cli.main(["inspect-grads", "--config", str(exp), "--cpu",
+                     "--checkpoint", str(tmp_path), arg]) == 2
+    err = capsys.readouterr().err.strip()
+    assert text in err and len(err.splitlines()) == 1
+    other = "--queries" if text.startswith("--step") else "--step"
+    assert other not in err

@@ -83,6 +83,13 @@ def run(args: argparse.Namespace) -> dict:
     from erpo_jax.train.config import ConfigError, load_config
     from erpo_jax.train.policy import check_model_dir
     cfg = load_config(args.config, args.overrides, cpu=args.cpu)   # a bad field: rc 2
+    # Bad arguments: one sentence each, rc 2, before anything loads.
+    if args.step < 0:
+        raise ConfigError(f"inspect-grads: --step is {args.step}; give an RL step of the run "
+                          "(>= 0).")
+    if not 1 <= args.queries <= cfg.train.batch_size:
+        raise ConfigError(f"inspect-grads: --queries is {args.queries}; give 1 to "
+                          f"train.batch_size={cfg.train.batch_size} (groups of the step's batch).")
     for flag in ("checkpoint", "reference"):
         if getattr(args, flag):
             check_model_dir(getattr(args, flag), "--" + flag)

@@ -36,7 +36,7 @@ from erpo_jax.runtime.progress import progress_bar
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import resume as resume_lib
 from erpo_jax.train import startup
-from erpo_jax.train.config import RunConfig, config_dict, normalized
+from erpo_jax.train.config import ConfigError, RunConfig, config_dict, normalized
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.methods import describe as describe_method
 from erpo_jax.runtime.distributed import to_host
@@ -126,6 +126,12 @@ class Trainer:
         self.compile_cache, self.sharding = s.compile_cache, s.sharding
         self.model_cfg, params, self.tokenizer = s.model_cfg, s.params, s.tokenizer
         self.task: Task = s.task
+        if t.eval_every > 0 and not self.task.eval_sets:
+            raise ConfigError(
+                f"config field train.eval_every: is {t.eval_every}, but the task has no "
+                "evaluation set (data.eval_benchmarks is empty and train.eval_split is not "
+                "'validation'); name benchmarks in data.eval_benchmarks, evaluate on data.n_val "
+                "rows with train.eval_split=validation, or set train.eval_every=0.")
         latest, config_record = self._latest, self._config_record
         self.G, self.B = cfg.rollout.group_size, t.batch_size
         self.ref_forward_calls = 0

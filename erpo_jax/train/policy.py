@@ -27,7 +27,13 @@ def build_sharding(cfg: RunConfig) -> Sharding:
     from erpo_jax.runtime import distributed
     distributed.maybe_initialize()
     data, fsdp, tensor = cfg.mesh.shape
-    return Sharding(distributed.mesh_for(data=data, fsdp=fsdp, tensor=tensor))
+    try:
+        return Sharding(distributed.mesh_for(data=data, fsdp=fsdp, tensor=tensor))
+    except ValueError as e:   # the shape does not fit the devices: the field's fault
+        from erpo_jax.train.config import ConfigError
+        raise ConfigError(f"config field mesh.shape: {str(e).rstrip('.')}; give the axes sizes "
+                          "whose product is the device count, or -1 for the data axis to take "
+                          "the rest.") from None
 
 
 def check_model_dir(path, what: str = "model.path") -> None:

@@ -244,6 +244,11 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer, measure_drift: bool) 
             val = []
         held_out = {"validation (data.n_val)": d.n_val}
         if d.n_drift:   # its own held-out split: what trains depends on data fields only
+            if d.n_drift >= len(train):
+                raise ValueError(
+                    f"config field data.n_drift: holds {d.n_drift} rows out of training to "
+                    f"measure query drift on, but {d.train_file} has {len(train)} training "
+                    "rows (after data.n_val); lower data.n_drift.")
             if len(train) - d.n_drift < t.batch_size:
                 raise ValueError(
                     f"config field data.n_drift: holding {d.n_drift} rows out of training to "
@@ -259,6 +264,10 @@ def _load_jsonl_task(cfg: RunConfig, tokenizer: Tokenizer, measure_drift: bool) 
                 "drift on held-out queries, and this JSONL task has none (no "
                 "data.eval_benchmarks, no data.n_val); set data.n_drift=64 to hold 64 rows out "
                 "of training for it, add data.eval_benchmarks, or set train.drift_every=0.")
+        if measure_drift and t.drift_every > 0 and t.drift_queries > len(drift):
+            print(f"[erpo] WARNING: train.drift_queries={t.drift_queries} but the held-out "
+                  f"drift set has {len(drift)} queries: drift is measured on {len(drift)} "
+                  "(raise data.n_drift for more).", flush=True)
         held = [f"{n} for {what}" for what, n in held_out.items() if n]
         if held:   # every row kept out of training is counted, in the run's header
             report["held_out"] = {k: n for k, n in held_out.items() if n}
