@@ -492,13 +492,15 @@ def slip_stabilizer_tuning_table() -> list[str]:
     chosen = tuning.chosen(_all_runs("slip_stabilizer_tuning"))
     lines = list(TUNING_HEAD)
     for name, (field, values) in tuning.GRID.items():
+        seeds = {len(by.get(tuning.variant_name(name, v), [])) for v in values}
+        complete = len(seeds) == 1 and 0 not in seeds   # chosen only over the whole grid
         for v in values:
             rs = by.get(tuning.variant_name(name, v))
             if not rs:
                 lines.append(f"| {name} | {_tuning_label(field, v)} | not run yet | | | | |")
                 continue
             lines.append(_tuning_row(tuning, name, _tuning_label(field, v), rs,
-                                     chosen.get(name) == v))
+                                     complete and chosen.get(name) == v))
     return lines
 
 

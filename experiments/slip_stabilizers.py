@@ -48,10 +48,18 @@ def tuned_values(runs_dir: Path = TUNING_RUNS) -> dict[str, float]:
     if not files:
         raise ValueError(f"no tuning summaries in {runs_dir}: run and commit "
                          "experiments/slip_stabilizer_tuning.py first (its docstring).")
-    values = tuning.chosen([load_run(f) for f in files])
-    missing = sorted(set(tuning.GRID) - set(values))
+    runs = [load_run(f) for f in files]
+    values = tuning.chosen(runs)
+    have = {}
+    for r in runs:
+        have.setdefault(tuning.variant_value(r["name"]), set()).add(r["config"]["train"]["seed"])
+    seeds = set().union(*have.values())
+    missing = sorted({name for name, (_, vs) in tuning.GRID.items() for v in vs
+                      if have.get((name, v)) != seeds})
     if missing:
-        raise ValueError(f"the tuning summaries in {runs_dir} lack {missing}.")
+        raise ValueError(f"the tuning summaries in {runs_dir} lack runs of {missing} (every "
+                         f"value at seeds {sorted(seeds)}): finish "
+                         "experiments/slip_stabilizer_tuning.py first.")
     return values
 
 
