@@ -151,8 +151,11 @@ def inspect_run(cfg, checkpoint: str, *, reference: str | None = None, queries: 
     """The gradient report of run `cfg`'s loss for the policy at `checkpoint`,
     on the real batch described in the module docstring; report['source']
     says what it ran on."""
+    if not 1 <= queries <= cfg.train.batch_size:   # before the step's rollout
+        raise ValueError(f"--queries must be in [1, train.batch_size={cfg.train.batch_size}] "
+                         f"(groups of the step's batch), got {queries}.")
     batch, info = run_batch(cfg, checkpoint, reference=reference, step=step, unit=unit)
-    return _report(cfg, batch, info, queries=queries, step=step, unit=unit,
+    return _report(info["cfg"], batch, info, queries=queries, step=step, unit=unit,
                    checkpoint=checkpoint, config_name=config_name)
 
 
@@ -243,7 +246,7 @@ def run_batch(cfg, checkpoint: str, *, reference: str | None = None, step: int =
         advantages_fn=progs.advantages_fn, ref_logp=ref_logp,
         kl_coef=None if kl_coef is None else np.float32(kl_coef), values_fn=values_fn,
         query_group=progs.query_group, base=base)
-    info = {"params": params, "model_cfg": model_cfg, "recipe": rec, "task": task.name,
+    info = {"cfg": cfg, "params": params, "model_cfg": model_cfg, "recipe": rec, "task": task.name,
             "same": same, "reference": reference, "ref_cache": ref_cache,
             "computed": computed, "cache_dir": reference_cache_dir(cfg), "rewards": out.rewards,
             "task_rewards": sel.rewards, "metrics": out.info, "position": position,
@@ -254,16 +257,12 @@ def run_batch(cfg, checkpoint: str, *, reference: str | None = None, step: int =
 
 def _report(cfg, batch, info, *, queries: int, step: int, unit: bool, checkpoint: str,
             config_name: str) -> dict:
-    """The gradient report on the first `queries` groups of the step's batch."""
+    """The gradient report on the first `queries` groups of the step's batch
+    (`cfg`: the method-resolved config `run_batch` ran)."""
     from erpo_jax.rl.batch import RLBatch, as_jax
-    from erpo_jax.train.config import validate
     from erpo_jax.train.methods import describe
-    cfg = validate(cfg)
     t, r, a, lc = cfg.train, cfg.rollout, cfg.algo, cfg.loss
     G, B = r.group_size, t.batch_size
-    if not 1 <= queries <= B:
-        raise ValueError(f"--queries must be in [1, train.batch_size={B}] (groups of the "
-                         f"step's batch), got {queries}.")
     rows = queries * G
     part = RLBatch(*[None if x is None else np.asarray(x)[:rows] for x in batch])
     if not np.asarray(part.response_mask).any():
@@ -273,7 +272,6 @@ def _report(cfg, batch, info, *, queries: int, step: int, unit: bool, checkpoint
     report = grad_flow.inspect_gradients(params, model_cfg, as_jax(part), lc, r.temperature,
                                          unit)
     rewards, shaped_mean = info["rewards"][:rows], info["metrics"].get("reward_shaped_mean")
-    batch = part
     shaping = rec.shapes_rewards
     same, reference, ref_cache = info["same"], info["reference"], info["ref_cache"]
     computed = info["computed"]
@@ -282,7 +280,7 @@ def _report(cfg, batch, info, *, queries: int, step: int, unit: bool, checkpoint
              f"batch(es) of dynamic sampling" if rec.filter_groups else "")
     if info["filler"]:
         drawn += f" ({info['filler']} filler groups in the step)"
-    w = batch.query_weight[::G]
+    w = part.query_weight[::G]
     coef = ""
     if info["kl_coef"] is not None:
         coef = f"; adaptive Policy-KL coefficient {info['kl_coef']:.4g} (from {info['read_from']})"
@@ -300,7 +298,7 @@ def _report(cfg, batch, info, *, queries: int, step: int, unit: bool, checkpoint
                  f"of the {B} groups of the run's step-{step} batch, seed {t.seed}{drawn}), "
                  f"{G} responses each sampled by the checkpoint at temperature "
                  f"{r.temperature} (max {r.max_new_tokens} tokens); "
-                 f"{n_tok} response tokens, {int(np.sum(batch.query_mask))} query targets",
+                 f"{n_tok} response tokens, {int(np.sum(part.query_mask))} query targets",
         "rewards": f"task reward mean {float(info['task_rewards'][:rows].mean()):.4g}"
                    + (f", with overlong shaping {float(rewards.mean()):.4g}"
                       if rec.overlong_buffer else "")
