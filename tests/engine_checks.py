@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from erpo_jax.rollout.sampler import Rollout
+from erpo_jax.rollout.types import Rollout
 
 
 def assert_same_samples(a: Rollout, b: Rollout, what: str = "") -> None:

@@ -105,7 +105,7 @@ MUTATIONS = [
     Mutation("k3_is_k2", "the k3 KL estimator computes k2", "erpo_jax/rl/kl.py",
              "return jnp.expm1(d) - d", "return 0.5 * jnp.square(d)", ("tests/test_kl.py",)),
     Mutation("decode_gathers_weights", "a decode step runs under the training (FSDP) rules",
-             "erpo_jax/rollout/sampler.py",
+             "erpo_jax/rollout/static.py",
              "stationary = None if sharding is None else sharding.weight_stationary()",
              "stationary = sharding",
              ("tests/test_sampler.py::test_decode_step_moves_activations_not_weights",)),

@@ -14,8 +14,10 @@ from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, make_mesh
 from erpo_jax.rollout.continuous import ContinuousEngine
+from erpo_jax.rollout.paged import PagedEngine
 from erpo_jax.rollout.engine import ENGINES, make_engine
-from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+from erpo_jax.rollout.static import StaticEngine
+from erpo_jax.rollout.types import SamplingConfig
 
 from engine_checks import all_gather_sizes, assert_same_samples
 
@@ -44,7 +46,7 @@ PROMPTS = _prompts(7)     # 28 samples: no pool size below divides them
 
 @pytest.fixture(scope="module")
 def static_run(params):
-    sampler = Sampler(CFG, SC)
+    sampler = StaticEngine(CFG, SC)
     return sampler.sample(params, PROMPTS, KEY), sampler.last_stats
 
 
@@ -93,7 +95,7 @@ def test_refill_order_does_not_change_samples(params, static_out):
                                     dict(max_new_tokens=1)])
 def test_continuous_equals_static_other_samplings(params, change):
     sc = SamplingConfig(**{**SC.__dict__, **change})
-    want = Sampler(CFG, sc).sample(params, PROMPTS, KEY)
+    want = StaticEngine(CFG, sc).sample(params, PROMPTS, KEY)
     got = ContinuousEngine(CFG, sc, slots=5).sample(params, PROMPTS, KEY)
     assert_same_samples(want, got, str(change))
 
@@ -102,7 +104,7 @@ def test_max_prompts_keys_as_the_static_calls(params):
     """With max_prompts_per_call the continuous engine draws what the static
     engine's calls of that many prompts draw (chunk c keyed fold_in(key, c)),
     in one pool over all prompts."""
-    want = Sampler(CFG, SC).sample(params, PROMPTS, KEY, max_prompts=3)
+    want = StaticEngine(CFG, SC).sample(params, PROMPTS, KEY, max_prompts=3)
     engine = ContinuousEngine(CFG, SC, slots=6)
     got = engine.sample(params, PROMPTS, KEY, max_prompts=3)
     # The static calls padded their prompts to their own buckets; joined, the
@@ -116,7 +118,7 @@ def test_max_prompts_equal_to_the_prompts_keys_as_one_call(params, static_out):
     fold_in(fold_in(key, 0), r)), and the continuous engine keys its samples
     the same: the boundary of `0 < max_prompts < B` in `ContinuousEngine.run`."""
     n = len(PROMPTS)
-    want = Sampler(CFG, SC).sample(params, PROMPTS, KEY, max_prompts=n)
+    want = StaticEngine(CFG, SC).sample(params, PROMPTS, KEY, max_prompts=n)
     assert_same_samples(static_out, want, "static max_prompts=len(prompts)")
     got = ContinuousEngine(CFG, SC, slots=6).sample(params, PROMPTS, KEY, max_prompts=n)
     np.testing.assert_array_equal(want.response_tokens, got.response_tokens,
@@ -155,7 +157,7 @@ def test_bad_pools_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="rollout.engine is 'vllm'; the engines are 'static', "
                                          "'continuous'"):
         make_engine("vllm", CFG, SC)
-    assert set(ENGINES) == {"static", "continuous"}
+    assert set(ENGINES) == {"static", "continuous", "paged"}
     # A cache that cannot hold the longest prompt and response: refused as the
     # engine is built, before anything compiles.
     long = SamplingConfig(max_new_tokens=100, max_prompt_len=CFG.max_position_embeddings)
@@ -190,7 +192,7 @@ def test_the_trainers_automatic_pool_is_b_times_g(overrides, mesh, slots):
 
 def test_config_validation_names_engine_fields():
     from erpo_jax.train.config import RunConfig, apply_overrides, validate
-    for bad, match in (("rollout.engine=paged", "rollout.engine.*'static', 'continuous'"),
+    for bad, match in (("rollout.engine=vllm", "rollout.engine.*'static', 'continuous', 'paged'"),
                        ("rollout.slots=-1", "rollout.slots.*>= 0"),
                        ("rollout.refill=-2", "rollout.refill.*>= 0")):
         with pytest.raises(ValueError, match=match):
@@ -207,8 +209,9 @@ def test_config_validation_names_engine_fields():
 def test_arithmetic_checkpoint(sft_model):
     """The session's SFT'd arithmetic checkpoint on its own task's prompts,
     4 samples each at temperature 1 (answers of several lengths, EOS-ended):
-    pools smaller than, equal to and larger than G, none dividing the 40
-    samples, draw the static engine's samples."""
+    continuous pools smaller than, equal to and larger than G, none dividing
+    the 40 samples, and paged pools (pages of 8) draw the static engine's
+    samples."""
     from erpo_jax.model.hf import load_hf
     from erpo_jax.train.config import RunConfig, apply_overrides
     from erpo_jax.train.tasks import load_task, load_tokenizer
@@ -218,11 +221,14 @@ def test_arithmetic_checkpoint(sft_model):
     sc = SamplingConfig(max_new_tokens=40, num_samples=4, eos_ids=tok.eos_ids,
                         pad_id=tok.pad_id, max_prompt_len=64)
     prompts = task.train_prompts[:10]
-    want = Sampler(cfg, sc).sample(p, prompts, KEY)
+    want = StaticEngine(cfg, sc).sample(p, prompts, KEY)
     assert len(set(want.lengths)) > 3 and want.lengths.min() < sc.max_new_tokens, want.lengths
     for slots in (3, 4, 7):
         got = ContinuousEngine(cfg, sc, slots=slots).sample(p, prompts, KEY)
         assert_same_samples(want, got, f"arithmetic slots={slots}")
+    for slots in (3, 7):
+        got = PagedEngine(cfg, sc, slots=slots, page_size=8).sample(p, prompts, KEY)
+        assert_same_samples(want, got, f"arithmetic paged slots={slots}")
 
 
 def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):

@@ -86,3 +86,17 @@ def test_advantage_formulas_do_not_import_the_estimator_registry():
     assert "erpo_jax.rl.advantages" in graph["erpo_jax.rl.estimators"]
     assert "erpo_jax.rl.estimators" not in graph["erpo_jax.rl.advantages"]
     assert graph["erpo_jax.rl.advantages"] == set()
+
+
+def test_the_rollout_layer_imports_nothing_of_the_trainer():
+    """A run's config becomes an engine in one place, `rollout.engine.engine_for`,
+    which the Trainer's programs and the evaluator both call: the rollout
+    layer imports nothing of train, rl or tools, and the evaluator does not
+    import the programs (the evaluate <-> programs circle it once made)."""
+    above = ("erpo_jax.train", "erpo_jax.rl", "erpo_jax.tools", "erpo_jax.cli")
+    graph = import_graph()
+    upward = {m: sorted(d for d in deps if d.startswith(above))
+              for m, deps in graph.items() if m.startswith("erpo_jax.rollout")}
+    assert {m: d for m, d in upward.items() if d} == {}
+    assert "erpo_jax.rollout.engine" in graph["erpo_jax.train.evaluate"]
+    assert "erpo_jax.train.programs" not in graph["erpo_jax.train.evaluate"]

@@ -101,7 +101,8 @@ def test_plan_estimates_both_rollout_engines_on_a_length_distribution(tmp_path):
     continuous engine's decode steps and inserts as `schedule` replays them."""
     import numpy as np
 
-    from erpo_jax.rollout.continuous import schedule, static_steps
+    from erpo_jax.rollout.continuous import schedule
+    from erpo_jax.rollout.static import static_steps
     spec = "lognormal:4:0.8"
     proc, rep = _cli(tmp_path, *TINY, "rollout.engine=continuous", "rollout.slots=4",
                      "--only", "rollout", "--lengths", spec)

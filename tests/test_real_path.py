@@ -208,7 +208,8 @@ def test_sft_answers_in_boxed_and_exported_policy_matches_transformers(real_path
 
     from erpo_jax.model.hf import load_hf
     from erpo_jax.rewards.math_verify_pool import MathVerifyPool
-    from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+    from erpo_jax.rollout.static import StaticEngine
+    from erpo_jax.rollout.types import SamplingConfig
     from erpo_jax.train.tasks import load_tokenizer
     problems = word_problems(N_PROBLEMS)[:8]
     golds = [p["answer"].rsplit("####", 1)[1].strip() for p in problems]
@@ -227,9 +228,9 @@ def test_sft_answers_in_boxed_and_exported_policy_matches_transformers(real_path
                                  do_sample=False)[:, T:].numpy()
         ref = np.pad(gen, ((0, 0), (0, n_new - gen.shape[1])), constant_values=ours.pad_id)
         cfg, params = load_hf(model_dir)
-        sampler = Sampler(cfg, SamplingConfig(max_new_tokens=n_new, greedy=True,
-                                              eos_ids=ours.eos_ids, pad_id=ours.pad_id,
-                                              max_prompt_len=128))
+        sampler = StaticEngine(cfg, SamplingConfig(max_new_tokens=n_new, greedy=True,
+                                                   eos_ids=ours.eos_ids, pad_id=ours.pad_id,
+                                                   max_prompt_len=128))
         assert len(sampler.cache_phases(len(prompts), T)) > 1
         import jax
         out = sampler(params, prompts, jax.random.key(0))
@@ -255,7 +256,8 @@ def test_continuous_engine_equals_static_on_the_chat_checkpoint(real_path):
     from engine_checks import assert_same_samples
     from erpo_jax.model.hf import load_hf
     from erpo_jax.rollout.continuous import ContinuousEngine
-    from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+    from erpo_jax.rollout.static import StaticEngine
+    from erpo_jax.rollout.types import SamplingConfig
     from erpo_jax.train.tasks import load_tokenizer
     model_dir = real_path["sft"]
     problems = word_problems(N_PROBLEMS)[:8]
@@ -265,7 +267,7 @@ def test_continuous_engine_equals_static_on_the_chat_checkpoint(real_path):
     sc = SamplingConfig(max_new_tokens=48, num_samples=4, eos_ids=ours.eos_ids,
                         pad_id=ours.pad_id, max_prompt_len=128)
     key = jax.random.key(11)
-    want = Sampler(cfg, sc).sample(params, prompts, key)
+    want = StaticEngine(cfg, sc).sample(params, prompts, key)
     assert want.lengths.min() < sc.max_new_tokens and len(set(want.lengths)) > 3, want.lengths
     for slots in (3, 4, 7):
         got = ContinuousEngine(cfg, sc, slots=slots).sample(params, prompts, key)
@@ -297,5 +299,6 @@ def test_the_stability_techniques_run_on_the_real_path(real_path):
         assert x["reward/overlong_penalty_mean"] <= 0 and x["kl_coef"] > 0
         assert x["term_query_kl"] > 0 and x["cov_selected_frac"] > 0
     assert m[0]["kl_coef"] != m[1]["kl_coef"]
-    from erpo_jax.train.config import load_config, resolved_engine
-    assert resolved_engine(load_config(str(run / "config.json"))) == "continuous"
+    from erpo_jax.rollout.engine import engine_name
+    from erpo_jax.train.config import load_config
+    assert engine_name(load_config(str(run / "config.json"))) == "continuous"

@@ -17,9 +17,10 @@ from erpo_jax.model.hf import load_hf
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.model.sharding import Sharding, make_mesh
 from erpo_jax.rollout.decode import decode_responses, response_lengths, truncate_responses
-from erpo_jax.rollout.sampler import (MIN_PHASE_TOKENS, Sampler, SamplingConfig, bucket_length,
-                                      cache_phase_lengths, kth_largest, rollout_key,
-                                      truncate_logits)
+from erpo_jax.rollout.choice import kth_largest, truncate_logits
+from erpo_jax.rollout.prompts import bucket_length
+from erpo_jax.rollout.static import MIN_PHASE_TOKENS, StaticEngine, cache_phase_lengths
+from erpo_jax.rollout.types import SamplingConfig, rollout_key
 from engine_checks import all_gather_sizes as _all_gather_sizes
 from hf_models import build_tiny_hf
 
@@ -88,8 +89,8 @@ def test_greedy_matches_transformers_generate(kind, tmp_path):
                     for i, t in enumerate(free[r]) if i >= 4 and t not in free[r, :i])
     ref = _hf_greedy(model, prompts, n_new, pad, eos_id=eos)
 
-    sampler = Sampler(cfg, SamplingConfig(max_new_tokens=n_new, greedy=True, eos_ids=(eos,),
-                                          pad_id=pad, max_prompt_len=32))
+    sampler = StaticEngine(cfg, SamplingConfig(max_new_tokens=n_new, greedy=True, eos_ids=(eos,),
+                                               pad_id=pad, max_prompt_len=32))
     assert len(sampler.cache_phases(len(prompts), 11)) == 3
     out = sampler(params, prompts, SEED)
     np.testing.assert_array_equal(out.response_tokens, ref)
@@ -110,7 +111,7 @@ def _forward_logits(params, tokens, mask):
 
 @pytest.fixture(scope="module")
 def main_sampler():
-    return Sampler(CFG, MAIN)
+    return StaticEngine(CFG, MAIN)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +171,7 @@ def test_top_p_only_emits_the_nucleus(sharp_params, main_out):
 
 def test_top_k_and_top_p_only_emit_kept_tokens(sharp_params):
     sc = dataclasses.replace(MAIN, top_k=5, top_p=0.6, temperature=1.0, eos_ids=())
-    out = Sampler(CFG, sc)(sharp_params, _prompts(np.random.default_rng(1), (4, 7, 2)), SEED)
+    out = StaticEngine(CFG, sc)(sharp_params, _prompts(np.random.default_rng(1), (4, 7, 2)), SEED)
     _check_kept(sharp_params, out, sc)
 
 
@@ -213,7 +214,7 @@ def test_kth_largest_candidate_blocks_are_lax_top_k_bit_for_bit():
     built to break it: block maxima tied at the k-th one, the k-th largest
     repeated across and within blocks, the top entries crowded into few
     blocks, a length that is no multiple of the block, and -inf."""
-    from erpo_jax.rollout.sampler import kth_block
+    from erpo_jax.rollout.choice import kth_block
     rng = np.random.default_rng(1)
     V = 8192 + 7
     b = kth_block(V)
@@ -269,7 +270,7 @@ def dist_logits(sharp_params):
 def test_sampled_frequencies_match_tempered_softmax(sharp_params, dist_logits, method):
     sc = SamplingConfig(max_new_tokens=1, num_samples=4096, temperature=0.8, max_prompt_len=8,
                         method=method)
-    out = Sampler(CFG, sc)(sharp_params, [DIST_PROMPT], SEED)
+    out = StaticEngine(CFG, sc)(sharp_params, [DIST_PROMPT], SEED)
     counts = np.bincount(out.response_tokens[:, 0], minlength=CFG.vocab_size)
     assert (_softmax(dist_logits / 0.8) > 0.01).sum() >= 5   # a spread, not a near-argmax
     assert _chi2_pvalue(counts, _softmax(dist_logits / 0.8)) > 1e-3
@@ -284,7 +285,7 @@ def test_inverse_cdf_boundaries_and_zero_probability_tokens():
     """u is located exactly in the cumulative probabilities; a token of
     probability zero (truncated, -inf) is never drawn, even at u -> 1 where
     float rounding could reach the end of the vocabulary."""
-    from erpo_jax.rollout.sampler import inverse_cdf_sample
+    from erpo_jax.rollout.choice import inverse_cdf_sample
     probs = np.zeros(300)
     probs[[3, 17, 150, 299 - 40]] = [0.25, 0.25, 0.25, 0.25]   # trailing zeros, several blocks
     with np.errstate(divide="ignore"):
@@ -318,7 +319,7 @@ def test_topk_frequencies_match_renormalised_topk(sharp_params, dist_logits):
     k, temp = 4, 0.8
     sc = SamplingConfig(max_new_tokens=1, num_samples=4096, temperature=temp, top_k=k,
                         max_prompt_len=8)
-    out = Sampler(CFG, sc)(sharp_params, [DIST_PROMPT], SEED)
+    out = StaticEngine(CFG, sc)(sharp_params, [DIST_PROMPT], SEED)
     z = dist_logits / temp
     top = np.argsort(-z)[:k]
     probs = np.zeros_like(z)
@@ -336,7 +337,7 @@ def test_topk_frequencies_match_renormalised_topk(sharp_params, dist_logits):
 
 def test_prefix_sharing_equals_repeated_prompts(sharp_params, main_prompts, main_out):
     G = MAIN.num_samples
-    repeated = Sampler(CFG, dataclasses.replace(MAIN, num_samples=1))(
+    repeated = StaticEngine(CFG, dataclasses.replace(MAIN, num_samples=1))(
         sharp_params, [p for p in main_prompts for _ in range(G)], SEED)
     np.testing.assert_array_equal(main_out.response_tokens, repeated.response_tokens)
     for a, b in zip(main_out, repeated):
@@ -349,7 +350,7 @@ def test_sharded_equals_unsharded(sharp_params, main_prompts, main_out):
     sharding = Sharding(make_mesh((2, 2, 2)))
     assert sharding.data_size == 4
     params = jax.device_put(sharp_params, model_lib.param_shardings(CFG, sharding))
-    sampler = Sampler(CFG, MAIN, sharding)
+    sampler = StaticEngine(CFG, MAIN, sharding)
     device_out, n_real = sampler.run(params, main_prompts, SEED)    # 3 prompts, padded to 4
     assert n_real == 12 and device_out.response_tokens.shape[0] == 16
     assert device_out.response_tokens.sharding.spec[0] == ("data", "fsdp")
@@ -390,7 +391,7 @@ def test_eos_min_new_tokens_and_flags(params):
     N, pad = 12, 1
     sc = SamplingConfig(max_new_tokens=N, num_samples=16, eos_ids=eos, min_new_tokens=min_new,
                         pad_id=pad, max_prompt_len=8)
-    out = Sampler(CFG, sc)(params, _prompts(np.random.default_rng(6), (3, 7)), SEED)
+    out = StaticEngine(CFG, sc)(params, _prompts(np.random.default_rng(6), (3, 7)), SEED)
     tok, mask = out.response_tokens, out.response_mask
     is_eos = np.isin(tok, eos) & mask
     has_eos = is_eos.any(1)
@@ -407,7 +408,7 @@ def test_eos_min_new_tokens_and_flags(params):
 
 
 def test_errors(params):
-    sampler = Sampler(CFG, SamplingConfig(max_new_tokens=4, max_prompt_len=8))
+    sampler = StaticEngine(CFG, SamplingConfig(max_new_tokens=4, max_prompt_len=8))
     with pytest.raises(ValueError, match="prompt list is empty"):
         sampler(params, [], SEED)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -423,9 +424,9 @@ def test_errors(params):
     with pytest.raises(ValueError, match="min_new_tokens"):
         SamplingConfig(max_new_tokens=4, min_new_tokens=5)
     with pytest.raises(ValueError, match="eos_ids"):
-        Sampler(CFG, SamplingConfig(eos_ids=(300,), max_prompt_len=8))
+        StaticEngine(CFG, SamplingConfig(eos_ids=(300,), max_prompt_len=8))
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        Sampler(CFG, SamplingConfig(max_new_tokens=100, max_prompt_len=4096))
+        StaticEngine(CFG, SamplingConfig(max_new_tokens=100, max_prompt_len=4096))
     assert sampler.num_traces == 0
 
 
@@ -458,7 +459,7 @@ PHASED = SamplingConfig(max_new_tokens=70, num_samples=4, temperature=0.8, top_k
 @pytest.fixture(scope="module")
 def phased_out(sharp_params, main_prompts):
     assert len(cache_phase_lengths(8, PHASED.max_new_tokens, PHASED.cache_phases, "cpu")) == 4
-    return Sampler(CFG, PHASED)(sharp_params, main_prompts, SEED)
+    return StaticEngine(CFG, PHASED)(sharp_params, main_prompts, SEED)
 
 
 def test_cache_phases_equal_one_phase_and_the_recompute(sharp_params, main_prompts, phased_out):
@@ -466,8 +467,8 @@ def test_cache_phases_equal_one_phase_and_the_recompute(sharp_params, main_promp
     draws, with the log-probs of the teacher-forced recompute; rows end in
     three of the four phases, some run to the end."""
     out = phased_out
-    whole = Sampler(CFG, dataclasses.replace(PHASED, cache_phases=1))(sharp_params, main_prompts,
-                                                                       SEED)
+    whole = StaticEngine(CFG, dataclasses.replace(PHASED, cache_phases=1))(sharp_params,
+                                                                            main_prompts, SEED)
     np.testing.assert_array_equal(out.response_tokens, whole.response_tokens)
     np.testing.assert_array_equal(out.lengths, whole.lengths)
     np.testing.assert_allclose(out.logp, whole.logp, atol=1e-5, rtol=0)
@@ -482,7 +483,7 @@ def test_cache_phases_equal_one_phase_and_the_recompute(sharp_params, main_promp
     m = out.response_mask
     np.testing.assert_allclose(out.logp[m], np.asarray(ref)[:, P - 1:P - 1 + N][m], atol=1e-5)
     # Every row done inside the first phase: the later loops run no step.
-    early = Sampler(CFG, dataclasses.replace(PHASED, min_new_tokens=0, eos_ids=tuple(
+    early = StaticEngine(CFG, dataclasses.replace(PHASED, min_new_tokens=0, eos_ids=tuple(
         range(2, CFG.vocab_size))))(sharp_params, main_prompts, SEED)
     assert int(early.num_steps) == 1 and np.all(early.lengths == 1)
 
@@ -490,7 +491,7 @@ def test_cache_phases_equal_one_phase_and_the_recompute(sharp_params, main_promp
 def test_cache_phases_sharded_equal_unsharded(sharp_params, main_prompts, phased_out):
     sharding = Sharding(make_mesh((2, 2, 2)))
     params = jax.device_put(sharp_params, model_lib.param_shardings(CFG, sharding))
-    multi = Sampler(CFG, PHASED, sharding)(params, main_prompts, SEED)
+    multi = StaticEngine(CFG, PHASED, sharding)(params, main_prompts, SEED)
     np.testing.assert_array_equal(multi.response_tokens, phased_out.response_tokens)
     np.testing.assert_allclose(multi.logp, phased_out.logp, atol=1e-5)
 
@@ -529,7 +530,7 @@ def test_decode_step_moves_activations_not_weights(params, monkeypatch):
     it can tell the two apart."""
     sharding = Sharding(make_mesh((1, 4, 1), jax.devices()[:4]))
     sc = dataclasses.replace(MAIN, num_samples=2)
-    sampler = Sampler(CFG, sc, sharding)
+    sampler = StaticEngine(CFG, sc, sharding)
     abstract = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         params, model_lib.param_shardings(CFG, sharding))

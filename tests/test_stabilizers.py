@@ -21,7 +21,7 @@ from erpo_jax.rl.loss import LossConfig, loss_terms
 from erpo_jax.rl.overlong import overlong_penalty
 from erpo_jax.rl.shaping import shaped_advantages
 from erpo_jax.rl.synthetic import synthetic_batch
-from erpo_jax.rollout.sampler import Rollout
+from erpo_jax.rollout.types import Rollout
 from erpo_jax.model.logprobs import token_logprobs
 from erpo_jax.train import train_step as S
 from erpo_jax.train.config import AlgoSection, load_config

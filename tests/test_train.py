@@ -402,12 +402,13 @@ def test_invalid_config_names_the_field():
 def test_rollout_in_chunks_joins_to_the_whole_batch():
     from erpo_jax.model import model as M
     from erpo_jax.model.config import ModelConfig
-    from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+    from erpo_jax.rollout.static import StaticEngine
+    from erpo_jax.rollout.types import SamplingConfig
     from erpo_jax.train.host import sample
     cfg = ModelConfig()
     params = M.init_params(cfg, jax.random.key(0))
-    sampler = Sampler(cfg, SamplingConfig(max_new_tokens=4, num_samples=2, greedy=True,
-                                          max_prompt_len=32))
+    sampler = StaticEngine(cfg, SamplingConfig(max_new_tokens=4, num_samples=2, greedy=True,
+                                               max_prompt_len=32))
     prompts = [[5] * n for n in (3, 12, 4, 20, 7)]  # chunks bucket to widths 16 and 32
     key = jax.random.key(1)
     whole, parts = sample(sampler, params, prompts, key), sample(sampler, params, prompts, key, 2)

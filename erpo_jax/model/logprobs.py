@@ -27,8 +27,7 @@ import jax.numpy as jnp
 
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.model.dense import dense
-from erpo_jax.model.sharding import Sharding, platform
+from erpo_jax.model.sharding import Sharding
 
 
 class TokenLogprobs(NamedTuple):
@@ -242,5 +241,4 @@ def _vocab_parallel_logits(params, cfg: ModelConfig, h, sharding: Sharding):
     w = model_lib.head_weight(params, cfg).astype(h.dtype)
     w = sharding.constrain(w, (None, "head_vocab"))                      # [D, V/n] per device
     h = sharding.constrain(h, (None, None, None))                         # all rows, every device
-    logits = dense(h, w, preferred_element_type=jnp.float32, platform=platform(sharding))
-    return sharding.constrain(logits, (None, None, "head_vocab"))
+    return sharding.constrain(model_lib.lm_logits(h, w, sharding), (None, None, "head_vocab"))

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from erpo_jax.runtime import xla_options
-from erpo_jax.model import attention
+from erpo_jax.model import attention, paged_attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.dense import dense
 from erpo_jax.model.sharding import Sharding, platform as platform_of
@@ -73,6 +73,19 @@ class KVCache(NamedTuple):
         """The cache with fn(buffer, logical axes) applied to every k and v buffer."""
         return self._replace(k=tuple(fn(a, K_CACHE_AXES) for a in self.k),
                              v=tuple(fn(a, V_CACHE_AXES) for a in self.v))
+
+
+class PagedLayer(NamedTuple):
+    """One layer's paged KV cache in a decode step (`decode_paged`): kv_pages
+    [pages, page_size, 2 * N, K] (keys and values interleaved, see
+    paged_attention.py), the slots' page tables int32[S, pages per
+    slot] and lengths int32[S] before this step, and which slots are live."""
+
+    kv_pages: jax.Array
+    table: jax.Array
+    kv_len: jax.Array
+    live: jax.Array
+    impl: str
 
 
 # Logical axes of one layer's key and value buffers.
@@ -197,6 +210,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         constrain = self.sharding.constrain if self.sharding is not None else lambda x, _: x
+        if isinstance(layer_cache, PagedLayer):
+            c = layer_cache
+            rows = lambda a, heads: constrain(a[:, 0], ("rows", heads, None))
+            out, pages = paged_attention.decode(
+                rows(q, "act_heads"), rows(k, "act_kv_heads"), rows(v, "act_kv_heads"),
+                c.kv_pages, c.table, c.kv_len, c.live, sharding=self.sharding, impl=c.impl)
+            out = constrain(out[:, None], ("batch", "length", "act_heads", None))
+            return mm(out, wo.astype(dt), 2), pages
         if layer_cache is not None:
             # This layer's buffers (keys [B, N, K, S], values [B, N, S, K]):
             # write the T new keys/values at cache_index in place and attend
@@ -332,9 +353,9 @@ class Transformer(nn.Module):
         return self.final_norm(x)
 
     def logits(self, h):
-        """float32 logits for hidden states h [..., D] -> [..., V]."""
-        return _logits(h, self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head,
-                       self.sharding)
+        """float32 logits for hidden states h [..., D] -> [..., V] (`lm_logits`)."""
+        return lm_logits(h, self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head,
+                         self.sharding)
 
     def __call__(self, tokens, positions, attn_mask):
         return self.logits(self.hidden(tokens, positions, attn_mask))
@@ -458,6 +479,28 @@ def _hidden_unrolled(params, cfg: ModelConfig, tokens, positions, attn_mask,
     return x, KVCache(tuple(ks), tuple(vs), key_valid, cache.index + tokens.shape[1])
 
 
+def decode_paged(params, cfg: ModelConfig, tokens, positions, pages: tuple, table, kv_len,
+                 live, *, sharding: Sharding | None = None, impl: str = "auto"):
+    """One decode step over a paged KV cache: tokens, positions int32[S] (one
+    per slot), pages a tuple of L `PagedLayer.kv_pages` arrays, table / kv_len
+    / live as `PagedLayer`'s. Returns final-normed hidden states [S, D] and
+    the pages with each live slot's new key and value written at entry
+    kv_len of its sequence. Weights: `unstack_layers`'s per-layer tree."""
+    layers = unstack_layers(params)["layers"]
+    x = jnp.take(params["embed"], tokens[:, None], axis=0).astype(cfg.jnp_compute_dtype)
+    if sharding is not None:
+        x = sharding.constrain(x, ("batch", "length", "act_embed"))
+    cos, sin = rope_tables(cfg, positions[:, None])
+    block = _block(cfg, sharding)
+    out = []
+    for lp, kv in zip(layers, pages):
+        (x, kv), _ = block.apply({"params": lp}, (x, PagedLayer(kv, table, kv_len, live, impl)),
+                                 cos, sin, None, None)
+        out.append(kv)
+    x = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, cfg.jnp_compute_dtype)
+    return x[:, 0], tuple(out)
+
+
 def _defaults(tokens, positions, attn_mask):
     if attn_mask is None:
         attn_mask = jnp.ones(tokens.shape, bool)
@@ -563,11 +606,16 @@ def head_weight(params, cfg: ModelConfig) -> jax.Array:
 
 
 def head_logits(params, cfg: ModelConfig, h, sharding: Sharding | None = None):
-    """float32 logits [..., V] from hidden states [..., D]."""
-    return _logits(h, head_weight(params, cfg), sharding)
+    """float32 logits [..., V] from hidden states [..., D] (`lm_logits`)."""
+    return lm_logits(h, head_weight(params, cfg), sharding)
 
 
-def _logits(h, w, sharding: Sharding | None):
+def lm_logits(h, w, sharding: Sharding | None = None):
+    """float32 logits [..., V] of final hidden states h [..., D] through the LM
+    head's weight w [D, V] (`head_weight`, or a copy of it placed for its
+    caller), cast to h's dtype: the one place the head is applied, for the
+    model, the log-prob pass (`logprobs`) and the rollout engines
+    (`rollout.head`). Shardings are the caller's."""
     return dense(h, w.astype(h.dtype), preferred_element_type=jnp.float32,
                  platform=platform_of(sharding))
 

@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from erpo_jax.rollout.sampler import Rollout
+from erpo_jax.rollout.types import Rollout
 
 ON_SHORT = ("error", "pad")
 

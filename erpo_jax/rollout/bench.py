@@ -28,7 +28,8 @@ import numpy as np
 
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import PRESETS, ModelConfig
-from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+from erpo_jax.rollout.static import StaticEngine
+from erpo_jax.rollout.types import SamplingConfig
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -126,8 +127,9 @@ def bench_sampler(presets=("tiny", "medium-25m"), batches=(1, 32, 128), prompt_l
             cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
         params = model_lib.init_params(cfg, jax.random.key(seed))
         hf = _hf_model(params, cfg) if hf_ok else None
-        sampler = Sampler(cfg, SamplingConfig(max_new_tokens=new_tokens, greedy=True,
-                                              max_prompt_len=prompt_len, min_bucket=prompt_len))
+        sampler = StaticEngine(cfg, SamplingConfig(max_new_tokens=new_tokens, greedy=True,
+                                                   max_prompt_len=prompt_len,
+                                                   min_bucket=prompt_len))
         steps = min(nocache_steps, new_tokens)
         nocache = _nocache_fn(cfg, prompt_len, prompt_len + new_tokens, steps)
         for B in batches:

@@ -1,7 +1,7 @@
 """The continuous-batching rollout engine: a fixed pool of decode slots, each
 finished slot refilled by the next pending (prompt, sample) pair.
 
-The static sampler (`sampler.Sampler`) prefills a call's B x G rows together
+The static engine (`static.StaticEngine`) prefills a call's B x G rows together
 and decodes until the last of them ends, so every call costs its longest
 response. Here `slots` rows decode together; a sample leaves its slot when it
 ends and the next pending sample takes the slot, until all of the call's
@@ -9,7 +9,7 @@ samples are done. Each slot holds its own sample at its own step, in a KV
 cache read as a set (`model.hidden_states(causal_cache=False)`): entries
 [0, P) hold the slot's prompt, and decode step s writes every slot's new
 key and value at the one shared entry P + s mod N, an in-place slice write
-as in the static sampler (a sample feeds at most N - 1 consecutive steps, so
+as in the static engine (a sample feeds at most N - 1 consecutive steps, so
 it never meets its own earlier entries), while `valid` marks which entries
 are the slot's sample's. Keys carry their positions in their RoPE rotation,
 so the order of the entries does not matter.
@@ -29,11 +29,11 @@ Three jitted programs, and a host loop between them:
 The host sees only which slots are live (slots booleans) after each decode
 call: it never touches a token. Tokens, log-probs, lengths and EOS flags are
 scattered into [R, N] buffers on the device, indexed by sample, and come
-back as a `sampler.Rollout` in the static engine's row order.
+back as a `types.Rollout` in the static engine's row order.
 
-Exactness. A sample's slot holds the static sampler's prompt layout (left-
+Exactness. A sample's slot holds the static engine's prompt layout (left-
 padded to the call's bucket P) and RoPE positions. Its randomness is the
-static sampler's: sample
+static engine's: sample
 r = b * G + g (chunk c's local index with `max_prompts`) has the key
 fold_in(rng, r) (fold_in(fold_in(rng, c), r)), its N uniforms drawn from it
 at once (method 'inverse_cdf'), or fold_in(key, t) at its own step t
@@ -42,7 +42,8 @@ the static engine's samples: the same samples, to float rounding (the
 softmax sums run over the same keys in another order, among another number
 of masked entries): the log-probs agree to rounding, and a draw can flip
 where rounding moves it across a token boundary.
-The log-prob convention is the `sampler` module's.
+Tokens are chosen by `choice.choose`; the log-prob convention is the
+`types` module's.
 
 What a decode step reads. Every slot's cache has P + N entries (rounded up,
 `cache_length`) and each step's attention reads all of them, masked where
@@ -51,7 +52,7 @@ pool sit at every step at once). On TPU the step compiles to XLA's
 dense attention over S slots (see experiments/BENCHMARKS.md for `erpo plan`
 on it).
 
-Sharding. Slots lie over the data axes like the static sampler's rows; the
+Sharding. Slots lie over the data axes like the static engine's rows; the
 decode step is weight-stationary, as there. The per-sample output buffers
 are replicated (a step scatters slots tokens into them).
 """
@@ -68,8 +69,11 @@ import numpy as np
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
-from erpo_jax.rollout import sampler as sampler_lib
-from erpo_jax.rollout.sampler import Rollout, SamplingConfig, _choose, decode_head, head_logits
+from erpo_jax.rollout.choice import choose
+from erpo_jax.rollout.head import decode_head, decode_head_axes, head_logits
+from erpo_jax.rollout.prompts import batch_shape, prepare_prompts
+from erpo_jax.rollout.types import (DecodeLoop, EngineProgram, Rollout, SamplingConfig,
+                                    rollout_stats)
 from erpo_jax.runtime import xla_options
 from erpo_jax.runtime.distributed import to_host
 
@@ -122,6 +126,14 @@ class PoolState:
     useful: jax.Array
 
 
+def pool_slots(slots: int, sharding: Sharding | None, rows_per_call: int) -> int:
+    """rollout.slots, or (0) rows_per_call rounded up to the data-parallel size."""
+    if slots:
+        return slots
+    dp = sharding.data_size if sharding is not None else 1
+    return -(-max(rows_per_call, 1) // dp) * dp
+
+
 def sample_keys(rng: jax.Array, num_samples: int, group: int, per_call: int) -> jax.Array:
     """key[R]: sample r's key as the static engine draws it. per_call > 0:
     prompts come in calls of that many (call c keyed fold_in(rng, c)), each
@@ -162,7 +174,7 @@ def _logical_axes(state_like: PoolState) -> PoolState:
 
 
 class ContinuousEngine:
-    """The `continuous` rollout engine (see the module docstring).
+    """The `continuous` rollout engine (`types.Engine`; see the module docstring).
 
     engine = ContinuousEngine(cfg, SamplingConfig(max_new_tokens=256, num_samples=8,
                                                   eos_ids=(eos,)), sharding, slots=64)
@@ -195,14 +207,23 @@ class ContinuousEngine:
         self.last_stats: dict = {}
         self._programs: dict = {}
 
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, sampling: SamplingConfig, sharding: Sharding | None,
+                    rollout, rows_per_call: int) -> ContinuousEngine:
+        """The engine of a run (`types.Engine.from_config`): rollout.slots
+        decode slots (0: rows_per_call, the static engine's rows per call,
+        rounded up to the data-parallel size) and rollout.refill."""
+        return cls(cfg, sampling, sharding, slots=pool_slots(rollout.slots, sharding,
+                                                             rows_per_call),
+                   refill=rollout.refill)
+
     # ------------------------------------------------------------------ shapes
 
     def batch_shape(self, num_prompts: int, longest_prompt: int) -> tuple[int, int]:
-        return sampler_lib.batch_shape(self.sampling, self.sharding, num_prompts, longest_prompt)
+        return batch_shape(self.sampling, self.sharding, num_prompts, longest_prompt)
 
     def prepare(self, prompts):
-        return sampler_lib.prepare_prompts(prompts, self.sampling, self.cfg.vocab_size,
-                                           self.sharding)
+        return prepare_prompts(prompts, self.sampling, self.cfg.vocab_size, self.sharding)
 
     def _constrain(self, x, logical):
         return x if self.sharding is None else self.sharding.constrain(x, logical)
@@ -265,6 +286,26 @@ class ContinuousEngine:
         return schedule(lengths, self.slots, self.refill, self.pool_sizes(),
                         self.sampling.num_samples, self._query_buckets(num_prompts))
 
+    def plan_estimate(self, lengths, num_prompts: int, longest_prompt: int, max_prompts: int,
+                      run_ms, step_ms, kv_read_ms=None, prompt_lengths=None) -> dict | None:
+        """`erpo plan`'s rollout time (`types.Engine.plan_estimate`): the
+        `schedule` of these lengths, its decode steps at each pool size each
+        costed as one step of that pool's decode loop, its inserts at each
+        prompt count each as a call of that insert program."""
+        sched = self.schedule(lengths, num_prompts)
+        step = {n: step_ms(f"decode {n}") for n in sched["steps_by_size"]}
+        call = {q: run_ms(f"insert {q}") for q in sched["inserts"]}
+        if None in step.values() or None in call.values():
+            return None
+        decode = sum(k * step[n] for n, k in sched["steps_by_size"].items())
+        insert = sum(k * call[q] for q, k in sched["inserts"].items())
+        useful = int((np.asarray(lengths) - 1).sum())
+        return {"decode_steps": sched["steps"], "slot_utilization": useful / sched["slot_steps"],
+                "estimated_ms": decode + insert, "decode_ms": decode, "insert_ms": insert,
+                "slots": self.slots,
+                "steps_by_size": {str(k): v for k, v in sched["steps_by_size"].items()},
+                "inserts": {str(k): v for k, v in sched["inserts"].items()}}
+
     def cache_length(self, P: int) -> int:
         """Entries of each slot's KV cache for prompts of bucket P: P for the
         prompt and N for the ring of response entries, rounded up to a
@@ -282,9 +323,8 @@ class ContinuousEngine:
 
     def _empty(self, rng, R: int, P: int, per_call: int, n: int = 0) -> PoolState:
         cfg, sc, n = self.cfg, self.sampling, n or self.slots
-        N, G = sc.max_new_tokens, sc.num_samples
-        S, L = self.cache_length(P), cfg.num_layers
-        cache = model_lib.init_cache(cfg, n, S)
+        N, G, L = sc.max_new_tokens, sc.num_samples, cfg.num_layers
+        cache = self._empty_cache(n, P)
         cd, Nk, K = cfg.jnp_compute_dtype, cfg.num_kv_heads, cfg.head_dim
         stash = Stash(tuple(jnp.zeros((1, Nk, K, P), cd) for _ in range(L)),
                       tuple(jnp.zeros((1, Nk, P, K), cd) for _ in range(L)),
@@ -301,6 +341,10 @@ class ContinuousEngine:
             logp=jnp.zeros((R, N), jnp.float32), lengths=jnp.zeros((R,), jnp.int32),
             ended=jnp.zeros((R,), bool), sample_keys=keys, steps=jnp.zeros((), jnp.int32),
             useful=jnp.zeros((), jnp.int32))
+
+    def _empty_cache(self, n: int, P: int):
+        """The pool's KV cache, empty: n slots of `cache_length(P)` entries."""
+        return model_lib.init_cache(self.cfg, n, self.cache_length(P))
 
     def _jit(self, fn, like: PoolState, donate: bool, extra_out=None):
         shardings = self._state_shardings(like)
@@ -338,7 +382,7 @@ class ContinuousEngine:
         """(per-layer compute-dtype weights, decode head) as ShapeDtypeStructs,
         in the shardings the `weights` program gives them: each layer's
         slice keeps its stacked parameter's sharding, the head
-        `sampler.decode_head_axes`'s."""
+        `head.decode_head_axes`'s."""
         cfg, sh = self.cfg, self.sharding
         narrowed = jax.eval_shape(lambda p: model_lib.in_compute_dtype(p, cfg), params)
         w = jax.eval_shape(model_lib.unstack_layers, narrowed)
@@ -356,7 +400,7 @@ class ContinuousEngine:
                                       {k: v for k, v in w.items() if k != "layers"}),
              "layers": tuple(jax.tree_util.tree_map(unstacked, params["layers"], layer)
                              for layer in w["layers"])}
-        axes = sampler_lib.decode_head_axes(cfg, sh)   # None on a one-device mesh
+        axes = decode_head_axes(cfg, sh)   # None on a one-device mesh
         head = jax.ShapeDtypeStruct(head.shape, head.dtype, sharding=sh.replicated()
                                     if axes is None else sh.named(axes))
         return w, head
@@ -372,17 +416,7 @@ class ContinuousEngine:
             1 + q the q-th prompt); sample int32[slots]: its sample (R: none);
             keep: the row of [stash, prompts] to stash next."""
             self._count()
-            st = s.stash
-            if Q:
-                cache = model_lib.init_cache(cfg, Q, P)
-                h, cache = model_lib.hidden_states(
-                    params, cfg, tokens, model_lib.positions_from_mask(mask), mask,
-                    cache=cache, sharding=sh)
-                logits = head_logits(h[:, -1], head, cfg, sh)
-                cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=0)
-                st = Stash(tuple(map(cat, st.k, cache.k)), tuple(map(cat, st.v, cache.v)),
-                           cat(st.valid, mask), cat(st.logits, logits),
-                           cat(st.length, jnp.sum(mask, axis=-1, dtype=jnp.int32)))
+            st = self._prefill(s.stash, params, head, tokens, mask, Q, P)
             new = src >= 0
             at = jnp.maximum(src, 0)
             take = lambda a: jnp.take(a, at, axis=0)
@@ -399,29 +433,52 @@ class ContinuousEngine:
                 tuple(put(b, p, 3, model_lib.K_CACHE_AXES) for b, p in zip(cache.k, st.k)),
                 tuple(put(b, p, 2, model_lib.V_CACHE_AXES) for b, p in zip(cache.v, st.v)),
                 put(valid, st.valid, 1, ("rows", "cache_length")), cache.index)
-            keys = _select_keys(new, s.sample_keys, sample, R, s.keys)
-            uniforms = jnp.where(new[:, None], _uniforms(keys, sc), s.uniforms)
-            tok, lp = _choose(take(st.logits), keys, uniforms, jnp.zeros((n,), jnp.int32), sc,
-                              plat)
-            hit = _hit_eos(tok, sc)
-            row = jnp.where(new, sample, R)          # R: dropped by the scatters
-            out = s.tokens.at[row, 0].set(tok, mode="drop")
-            out_logp = s.logp.at[row, 0].set(lp, mode="drop")
-            keep_stash = jax.tree_util.tree_map(
-                lambda a: jax.lax.dynamic_slice_in_dim(a, keep, 1, axis=0), st)
-            return dataclasses.replace(
-                s, cache=cache,
-                last=jnp.where(new, tok, s.last),
-                positions=jnp.where(new, take(st.length), s.positions),
-                t=jnp.where(new, 1, s.t),
-                live=jnp.where(new, ~hit & (N > 1), s.live),
-                sample=jnp.where(new, sample, s.sample),
-                keys=keys, uniforms=uniforms, stash=keep_stash,
-                tokens=out, logp=out_logp,
-                lengths=s.lengths.at[row].set(1, mode="drop"),
-                ended=s.ended.at[row].set(hit, mode="drop"))
+            return self._begin(dataclasses.replace(s, cache=cache), st, src, sample, keep, R, n)
 
         return self._jit(insert, self._abstract_state(R, P), donate=True)
+
+    def _prefill(self, st: Stash, params, head, tokens, mask, Q: int, P: int) -> Stash:
+        """[stash, Q prompts]: the stash with the prompts' prefill (keys,
+        values, valid, last logits, real length) after it (Q = 0: the stash)."""
+        cfg, sh = self.cfg, self.sharding
+        if not Q:
+            return st
+        cache = model_lib.init_cache(cfg, Q, P)
+        h, cache = model_lib.hidden_states(params, cfg, tokens, model_lib.positions_from_mask(mask),
+                                           mask, cache=cache, sharding=sh)
+        logits = head_logits(h[:, -1], head, cfg, sh)
+        cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=0)
+        return Stash(tuple(map(cat, st.k, cache.k)), tuple(map(cat, st.v, cache.v)),
+                     cat(st.valid, mask), cat(st.logits, logits),
+                     cat(st.length, jnp.sum(mask, axis=-1, dtype=jnp.int32)))
+
+    def _begin(self, s: PoolState, st: Stash, src, sample, keep, R: int, n: int) -> PoolState:
+        """s with each new slot's (src >= 0) sample started: its key and
+        uniforms, token 0 chosen from its prompt's logits (row src of
+        [stash, prompts] st), its position after the prompt; row keep of st
+        stashed for the next insert."""
+        sc, N = self.sampling, self.sampling.max_new_tokens
+        new = src >= 0
+        take = lambda a: jnp.take(a, jnp.maximum(src, 0), axis=0)
+        keys = _select_keys(new, s.sample_keys, sample, R, s.keys)
+        uniforms = jnp.where(new[:, None], _uniforms(keys, sc), s.uniforms)
+        tok, lp = choose(take(st.logits), keys, uniforms, jnp.zeros((n,), jnp.int32), sc,
+                         platform_of(self.sharding))
+        hit = _hit_eos(tok, sc)
+        row = jnp.where(new, sample, R)          # R: dropped by the scatters
+        keep_stash = jax.tree_util.tree_map(
+            lambda a: jax.lax.dynamic_slice_in_dim(a, keep, 1, axis=0), st)
+        return dataclasses.replace(
+            s, last=jnp.where(new, tok, s.last),
+            positions=jnp.where(new, take(st.length), s.positions),
+            t=jnp.where(new, 1, s.t),
+            live=jnp.where(new, ~hit & (N > 1), s.live),
+            sample=jnp.where(new, sample, s.sample),
+            keys=keys, uniforms=uniforms, stash=keep_stash,
+            tokens=s.tokens.at[row, 0].set(tok, mode="drop"),
+            logp=s.logp.at[row, 0].set(lp, mode="drop"),
+            lengths=s.lengths.at[row].set(1, mode="drop"),
+            ended=s.ended.at[row].set(hit, mode="drop"))
 
     def _make_shrink(self, R, P, per_call, Q, n):
         """The pool of n slots halved: keep int32[n / 2], the slots that stay."""
@@ -452,28 +509,34 @@ class ContinuousEngine:
                                                s.positions[:, None],
                                                jnp.ones((n, 1), bool), cache=ring,
                                                sharding=stationary, causal_cache=False)
-            logits = head_logits(h[:, 0], head, cfg, sh)
-            tok, lp = _choose(logits, s.keys, s.uniforms, jnp.minimum(s.t, N - 1), sc, plat)
-            live = s.live
-            row = jnp.where(live, s.sample, R)
-            at = jnp.minimum(s.t, N - 1)
-            t = s.t + live.astype(jnp.int32)
-            hit = _hit_eos(tok, sc) & live
-            return dataclasses.replace(
-                s, cache=cache, last=jnp.where(live, tok, s.last),
-                positions=s.positions + live.astype(jnp.int32), t=t,
-                live=live & ~hit & (t < N),
-                tokens=s.tokens.at[row, at].set(tok, mode="drop"),
-                logp=s.logp.at[row, at].set(lp, mode="drop"),
-                lengths=s.lengths.at[row].set(t, mode="drop"),
-                ended=s.ended.at[row].set(hit, mode="drop"),
-                steps=s.steps + 1, useful=s.useful + jnp.sum(live, dtype=jnp.int32))
+            return self._advance(s, head_logits(h[:, 0], head, cfg, sh), cache, R)
 
         return step
 
+    def _advance(self, s: PoolState, logits, cache, R: int) -> PoolState:
+        """s after one decode step: each live slot's next token chosen from
+        logits [slots, V] and recorded, the slot ended at EOS or N tokens."""
+        sc, N = self.sampling, self.sampling.max_new_tokens
+        tok, lp = choose(logits, s.keys, s.uniforms, jnp.minimum(s.t, N - 1), sc,
+                         platform_of(self.sharding))
+        live = s.live
+        row = jnp.where(live, s.sample, R)
+        at = jnp.minimum(s.t, N - 1)
+        t = s.t + live.astype(jnp.int32)
+        hit = _hit_eos(tok, sc) & live
+        return dataclasses.replace(
+            s, cache=cache, last=jnp.where(live, tok, s.last),
+            positions=s.positions + live.astype(jnp.int32), t=t,
+            live=live & ~hit & (t < N),
+            tokens=s.tokens.at[row, at].set(tok, mode="drop"),
+            logp=s.logp.at[row, at].set(lp, mode="drop"),
+            lengths=s.lengths.at[row].set(t, mode="drop"),
+            ended=s.ended.at[row].set(hit, mode="drop"),
+            steps=s.steps + 1, useful=s.useful + jnp.sum(live, dtype=jnp.int32))
+
     def lower_decode_step(self, params, num_prompts: int, longest_prompt: int, n: int = 0):
         """One decode step of the pool of n slots (default `slots`) lowered by
-        itself, as `Sampler.lower_decode_step` lowers the static one: the
+        itself, as `StaticEngine.lower_decode_step` lowers the static one: the
         compute-dtype per-layer weights and the head as the `weights`
         program makes them, the state donated, the KV cache in layouts of
         the compiler's choice. For `erpo plan`, whose cost analysis counts a
@@ -553,11 +616,7 @@ class ContinuousEngine:
         w, head = self._abstract_weights(params)
         out = []
         if every:
-            key = jax.eval_shape(lambda: jax.random.key(0))
-            out += [("start", f"{R} samples", lambda: self._program(
-                         "start", R, P, per_call).lower(key)),
-                    ("weights", "per-layer weights", lambda: self._program(
-                         "weights", R, P).lower(params))]
+            out += self._setup_programs(params, R, P, per_call)
         for Q in self._query_buckets(B):
             rows = lambda dtype, Q=Q: jax.ShapeDtypeStruct(
                 (Q, P), dtype, sharding=self._named(("batch", None)) if Q else None)
@@ -577,10 +636,42 @@ class ContinuousEngine:
                                 state(n), i32(n // 2))))
         return out
 
+    def step_programs(self, params, num_prompts: int, longest_prompt: int,
+                      max_prompts: int = 0, brief: bool = False) -> list[EngineProgram]:
+        """`programs` of a call of num_prompts prompts keyed in chunks of
+        max_prompts (`types.Engine.step_programs`), each decode program with
+        its loop's step (`lower_decode_step`) as a `DecodeLoop` whose steps
+        the schedule decides; brief: the largest insert and the full pool's
+        decode only."""
+        parts = self.programs(params, num_prompts, longest_prompt, max_prompts)
+        if brief:
+            inserts = [p for p in parts if p[0].startswith("insert")]
+            parts = [inserts[-1], next(p for p in parts if p[0].startswith("decode"))]
+        _, P = self.batch_shape(num_prompts, longest_prompt)
+        N, S = self.sampling.max_new_tokens, self.cache_length(P)
+        pools = {f"decode {n}": n for n in self.pool_sizes()}
+        out = []
+        for part, shapes, lower in parts:
+            n = pools.get(part)
+            loops = () if n is None else (DecodeLoop(
+                part, n, S, None, lambda n=n: self.lower_decode_step(
+                    params, num_prompts, longest_prompt, n), n == self.slots),)
+            out.append(EngineProgram(part, shapes, lower, self.slots, self.slots * (P + N),
+                                     loops))
+        return out
+
+    def _setup_programs(self, params, R: int, P: int, per_call: int) -> list:
+        """[(name, shapes, lower function)] of `start` and `weights`."""
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return [("start", f"{R} samples", lambda: self._program(
+                    "start", R, P, per_call).lower(key)),
+                ("weights", "per-layer weights", lambda: self._program(
+                    "weights", R, P).lower(params))]
+
     def run(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
             max_prompts: int = 0) -> tuple[Rollout, int]:
         """(Rollout of device arrays over B' * G rows, number of real rows B * G),
-        as `Sampler.run`; max_prompts keys the samples as the static engine's
+        as `StaticEngine.run`; max_prompts keys the samples as the static engine's
         calls of that many prompts."""
         tokens, mask, B = self.prepare(prompts)
         Bp, P = tokens.shape
@@ -636,20 +727,26 @@ class ContinuousEngine:
             steps = int(total)
             if nxt == real and not live.any():
                 break
+        return self._collect(state, tokens, mask, real, steps, slot_steps), real
+
+    def _collect(self, state: PoolState, tokens, mask, real: int, steps: int,
+                 slot_steps: int) -> Rollout:
+        """The call's Rollout (device arrays, the static engine's row order)
+        from the pool's per-sample buffers; sets `last_stats`."""
+        G, N = self.sampling.num_samples, self.sampling.max_new_tokens
         lengths = state.lengths
         response_mask = jnp.arange(N)[None, :] < lengths[:, None]
         rep = lambda a: np.repeat(a, G, axis=0)
-        out = Rollout(
+        self.last_stats = rollout_stats(to_host(lengths)[:real], steps, slot_steps)
+        return Rollout(
             prompt_tokens=rep(tokens), prompt_mask=rep(mask), response_tokens=state.tokens,
             response_mask=response_mask, logp=state.logp, lengths=lengths,
             truncated=~state.ended & (lengths > 0), num_steps=jnp.max(lengths))
-        self.last_stats = sampler_lib.rollout_stats(to_host(lengths)[:real], steps, slot_steps)
-        return out, real
 
     def sample(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
                max_prompts: int = 0) -> Rollout:
         """A Rollout of numpy arrays over exactly len(prompts) * G rows on every
-        host: the same samples as `Sampler.sample` with that key and max_prompts,
+        host: the same samples as `StaticEngine.sample` with that key and max_prompts,
         to float rounding (a draw can flip where rounding moves it across a
         token boundary)."""
         out, real = self.run(params, prompts, key, max_prompts)
@@ -708,11 +805,3 @@ def schedule(lengths: Sequence[int], slots: int, refill: int = 0,
             return {"steps": sum(by_size.values()),
                     "slot_steps": sum(k * v for k, v in by_size.items()),
                     "steps_by_size": by_size, "inserts": inserts}
-
-
-def static_steps(lengths: Sequence[int], rows_per_call: int) -> int:
-    """The decode steps the static sampler runs for samples of these lengths
-    in calls of `rows_per_call` rows: each call runs to its longest."""
-    lengths = np.asarray(lengths, np.int64)
-    return int(sum(max(int(lengths[i:i + rows_per_call].max()) - 1, 0)
-                   for i in range(0, lengths.size, rows_per_call)))

@@ -1,52 +1,121 @@
-"""The rollout-engine seam: what the Trainer, the evaluator, `erpo
-inspect-grads`, the bench and `erpo plan` call to sample, whichever engine
-runs it (`rollout.engine`).
+"""The rollout-engine seam: which engine samples (`rollout.engine`), and the
+one place a run's config becomes an engine (`engine_for`), for the Trainer,
+the evaluator, `erpo inspect-grads`, the bench and `erpo plan`.
 
-An engine is built from the model config, a `SamplingConfig` and the mesh
-(nothing that reads weights), and offers:
+What every engine offers is `types.Engine`: built from the model config, a
+`SamplingConfig`, the mesh and the run's `rollout` section (nothing that
+reads weights), it pads a call to `batch_shape`, lowers and compiles its
+programs, and `sample`s a Rollout of numpy arrays on every host
+(len(prompts) * G rows; chunk c of max_prompts prompts keyed fold_in(key, c)
+by every engine), with `last_stats` (decode steps, token-slot utilisation)
+and `num_traces`. For `train.programs` and `erpo plan` it names the programs
+an RL step runs (`step_programs`) and estimates its rollout time on a
+distribution of response lengths (`plan_estimate`), so neither asks which
+engine it has.
 
-  batch_shape(num_prompts, longest)      the padded (B', P) a call runs at;
-  lower(params, num_prompts, longest)    its programs at those shapes
-                                         (params: arrays or ShapeDtypeStructs);
-  compile(params, num_prompts, longest)  compile them ahead of the first call;
-  sample(params, prompts, key, max_prompts) -> Rollout of numpy arrays, every
-                                         host, len(prompts) * G rows; chunk c
-                                         of max_prompts prompts is keyed
-                                         fold_in(key, c) by both engines;
-  run(params, prompts, key) -> (Rollout of device arrays, real rows);
-  last_stats                             the last sample's decode steps and
-                                         token-slot utilisation;
-  num_traces                             traces of its programs so far.
+The engines, one module each: `static` (`static.StaticEngine`: a call's rows
+prefill together and decode until the longest ends), `continuous`
+(`continuous.ContinuousEngine`: a pool of slots, each refilled by the next
+pending sample) and `paged` (`paged.PagedEngine`: the continuous pool over a
+KV cache in pages, a prompt's pages shared by its samples, the decode
+attention reading only what each slot holds). For the same key they return the same samples, to float
+rounding: a draw can flip where rounding moves it across a token boundary.
+A new engine is a module with a class that offers `types.Engine`, and an
+entry in `ENGINES`.
 
-Two engines: `static` (`sampler.Sampler`: a call's rows prefill together and
-decode until the longest ends) and `continuous` (`continuous.ContinuousEngine`:
-a pool of slots, each refilled by the next pending sample). For the same key
-they return the same samples, to float rounding: a draw can flip where
-rounding moves it across a token boundary.
+The shared layer under them: `types` (SamplingConfig, Rollout, keys,
+statistics, the interface), `choice` (token choice), `head` (the decode
+head), `prompts` (validation and padding).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding
 from erpo_jax.rollout.continuous import ContinuousEngine
-from erpo_jax.rollout.sampler import Sampler, SamplingConfig
+from erpo_jax.rollout.paged import PagedEngine
+from erpo_jax.rollout.static import StaticEngine
+from erpo_jax.rollout.types import Engine, SamplingConfig
 
-ENGINES = {"static": Sampler, "continuous": ContinuousEngine}
+ENGINES: dict[str, type] = {"static": StaticEngine, "continuous": ContinuousEngine,
+                             "paged": PagedEngine}
+
+# What an engine samples for (`engine_for`), as `erpo plan` names their programs.
+PURPOSES = ("rollout", "eval greedy", "eval sampled")
+
+
+def engine_name(cfg) -> str:
+    """The rollout engine a run of `cfg` (a RunConfig) uses: rollout.engine,
+    where 'auto' is 'continuous' on the real path (data.task=jsonl:
+    chat-templated prompts, responses of every length) and 'static' on the
+    embedded arithmetic task, whose answers have nearly equal lengths
+    (experiments/BENCHMARKS.md, "Rollout engines")."""
+    e = cfg.rollout.engine
+    if e != "auto":
+        return e
+    return "continuous" if cfg.data.task == "jsonl" else "static"
+
+
+def _engine_class(name: str) -> type:
+    if name not in ENGINES:
+        raise ValueError(f"rollout.engine is {name!r}; the engines are "
+                         f"{', '.join(repr(e) for e in ENGINES)}.")
+    return ENGINES[name]
+
+
+class _Settings(NamedTuple):
+    """The `rollout` fields `make_engine` gives an engine's `from_config`."""
+
+    slots: int
+    refill: int
+    page_size: int = 16
+    kv_pages: int = 0
+    paged_attention: str = "auto"
 
 
 def make_engine(name: str, cfg: ModelConfig, sampling: SamplingConfig,
                 sharding: Sharding | None = None, *, slots: int = 0, refill: int = 0,
-                rows_per_call: int = 0):
-    """The engine `name` for these shapes. slots / refill: the continuous
-    engine's (0: automatic; slots then defaults to rows_per_call, the static
-    engine's rows per call, rounded up to the data-parallel size)."""
-    if name not in ENGINES:
-        raise ValueError(f"rollout.engine is {name!r}; the engines are "
-                         f"{', '.join(repr(e) for e in ENGINES)}.")
-    if name == "static":
-        return Sampler(cfg, sampling, sharding)
-    if not slots:
-        dp = sharding.data_size if sharding is not None else 1
-        slots = -(-max(rows_per_call, 1) // dp) * dp
-    return ContinuousEngine(cfg, sampling, sharding, slots=slots, refill=refill)
+                rows_per_call: int = 0) -> Engine:
+    """The engine `name` for these shapes, outside a run config (tests,
+    benches). slots / refill: the continuous engine's (0: automatic; slots
+    then defaults to rows_per_call, the static engine's rows per call,
+    rounded up to the data-parallel size)."""
+    return _engine_class(name).from_config(cfg, sampling, sharding, _Settings(slots, refill),
+                                           rows_per_call)
+
+
+def engine_for(cfg, model_cfg: ModelConfig, purpose: str, eos_ids: Sequence[int], pad_id: int,
+               sharding: Sharding | None = None) -> Engine | None:
+    """The engine a run of `cfg` (a RunConfig) samples with for `purpose`, of
+    the run's `rollout.engine` (`engine_name`):
+
+      'rollout'       the RL step's groups: rollout.group_size samples per
+                      prompt at rollout.temperature / top_p / top_k, at least
+                      rollout.min_new_tokens (also `erpo inspect-grads`, which
+                      must draw the same groups);
+      'eval greedy'   one greedy sample per evaluation problem;
+      'eval sampled'  train.eval_n samples at train.eval_temperature for
+                      pass@k (None when train.eval_n == 1).
+
+    Each samples at most rollout.max_new_tokens tokens after prompts of at
+    most data.max_prompt_len; the engine reads its own settings from the
+    `rollout` section (`types.Engine.from_config`)."""
+    t, r = cfg.train, cfg.rollout
+    common = dict(max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids), pad_id=pad_id,
+                  max_prompt_len=cfg.data.max_prompt_len, cache_phases=r.cache_phases)
+    if purpose == "rollout":
+        sampling = SamplingConfig(num_samples=r.group_size, temperature=r.temperature,
+                                  top_p=r.top_p, top_k=r.top_k, min_new_tokens=r.min_new_tokens,
+                                  **common)
+    elif purpose == "eval greedy":
+        sampling = SamplingConfig(num_samples=1, greedy=True, **common)
+    elif purpose == "eval sampled":
+        if t.eval_n <= 1:
+            return None
+        sampling = SamplingConfig(num_samples=t.eval_n, temperature=t.eval_temperature, **common)
+    else:
+        raise ValueError(f"engine_for: purpose {purpose!r} is not one of {PURPOSES}.")
+    rows = (r.max_prompts_per_call or t.batch_size) * sampling.num_samples
+    return _engine_class(engine_name(cfg)).from_config(model_cfg, sampling, sharding, r, rows)

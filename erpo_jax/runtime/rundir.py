@@ -152,7 +152,8 @@ FREE_ON_RESUME = ("train.progress", "train.compile_cache", "train.compile_ahead"
 # Fields that change how fast a run samples, not what (the rollout engines draw
 # the same samples, to float rounding): a resume across them is accepted
 # without train.allow_config_change and recorded in config_history.jsonl.
-SPEED_ON_RESUME = ("rollout.engine", "rollout.slots", "rollout.refill")
+SPEED_ON_RESUME = ("rollout.engine", "rollout.slots", "rollout.refill", "rollout.page_size",
+                   "rollout.kv_pages", "rollout.paged_attention")
 
 
 def changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:

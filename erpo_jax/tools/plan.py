@@ -20,11 +20,14 @@ a roofline time estimate max(FLOPs / peak FLOP/s, bytes / HBM bandwidth).
 XLA's cost analysis counts the body of every loop once: the decode loop, the
 layer scan, the micro-batch scan, the LM-head chunks. So the estimates are
 built as follows, and labelled as estimates:
-- rollout: the program's numbers plus the max_new_tokens - 1 decode steps,
-  each phase's steps costed by compiling one decode step on that phase's
-  cache (`Sampler.cache_phases`, `Sampler.lower_decode_step`); every row is
-  assumed to run to max_new_tokens (an upper bound, as is counting each
-  loop's body in the program's numbers too);
+- rollout and evaluation: the engine's programs (`Engine.step_programs`),
+  each decode loop's step compiled by itself (`DecodeLoop`). A loop whose
+  steps a call fixes (the static engine's cache phases, every row assumed
+  to run to max_new_tokens: an upper bound, as is counting each loop's body
+  in the program's numbers too) adds them to the program's numbers; a loop
+  whose steps the engine's schedule decides (the continuous engine's pool)
+  reports its step's cost, which the rollout estimate multiplies out
+  (`Engine.plan_estimate`);
 - update, reference forward, reference pass (layer scans): FLOPs are the
   model FLOPs from the shapes (`bench.model_flops_per_step`: 6 (2 forward-only)
   x matmul parameters x tokens + attention, plus one forward more with
@@ -192,15 +195,22 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
             "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0))}
 
 
+# Chat-templated MATH prompts: about 100 tokens at the median and under 200
+# for 90% of problems (issue 48; MATH500 problems: median 148 characters, 90th
+# percentile 386), a lognormal with median 100 and sigma ln 2 / 1.2816.
+PROMPT_LENGTHS = "lognormal:100:0.54"
+
+
 def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
          decode_step: bool = True, strict_only: bool = False,
-         lengths: str = "lognormal:800:0.8") -> dict:
+         lengths: str = "lognormal:800:0.8", prompt_lengths: str = PROMPT_LENGTHS) -> dict:
     """Compile every per-step program of `cfg` for `top`; the report (a dict).
     only: program names to compile (default all; with strict_only, a name
     that is no program of this run is an error, else skipped); decode_step: also compile
     one decode step of each sampler, for its traffic and the rollout's time
     estimate (a verdict alone does not need it); lengths: the response-length
-    distribution of the rollout-time estimate (`rollout_estimate`).
+    distribution of the rollout-time estimate (`rollout_estimate`);
+    prompt_lengths: its prompts' (the paged engine's pages hold real tokens).
 
     JAX's persistent compilation cache is off meanwhile: an executable for
     abstract TPU devices can never be loaded on this host (reading one back
@@ -215,11 +225,12 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
         report = _plan(cfg, top, margin, only, say, decode_step, strict_only)
         report.pop("_progs", None)
         if lengths:
-            est = rollout_estimate(report, cfg, top, lengths)
+            est = rollout_estimate(report, cfg, top, lengths, prompt_lengths)
             if est is not None:
                 report["rollout_estimate"] = est
                 say(estimate_line(est))
         report.pop("_engine", None)
+        report.pop("_costs", None)
         return report
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
@@ -254,7 +265,7 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
     # Token ids change no shape: any valid EOS and pad id compile the same programs.
     progs = Programs(cfg, model_cfg, Sharding(mesh), eos_ids=(0,), pad_id=0)
     chips = len(devices)
-    r, N = cfg.rollout, cfg.rollout.max_new_tokens
+    N = cfg.rollout.max_new_tokens
     report = {"config": cfg.name, "topology": top.name, "tpu": dataclasses.asdict(top),
               "source": SOURCE, "mesh": dict(zip(("data", "fsdp", "tensor"), shape)),
               "chips": chips, "hosts": top.hosts, "model": shapes_from,
@@ -264,6 +275,9 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
                         "roofline", "estimated_ms is a roofline estimate, not a measurement",
                         "XLA counts each loop body once; see `erpo_jax.tools.plan` for the estimates"],
               "query_group": progs.query_group, "programs": []}
+    # ms per call of each engine program and per step of each decode loop, by
+    # (engine use, part or loop key), for the rollout estimate.
+    costs = {"runs": {}, "steps": {}}
     if progs.query_group_note:
         report["notes"].append(progs.query_group_note)
     planned = progs.planned()
@@ -280,52 +294,14 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
             report["programs"].append(row)
             say(f"  {prog.name:<18} DOES NOT FIT: {row['compiler_error']}")
             continue
-        if prog.part:   # one of a continuous engine's programs
+        if prog.engine is not None:   # a rollout engine's program
             row["flops"], row["bytes_accessed"] = row["xla_flops"], row["xla_bytes_accessed"]
-            row["part"], row["group"] = prog.part, prog.group
-            if prog.part.startswith("decode") and decode_step:
-                # Its loop body counted once, with what the compiler stages
-                # around the loop: one step is costed by itself instead, as
-                # the static sampler's are (`lower_decode_step`).
-                engine = {"rollout": progs.sampler, "eval greedy": progs.eval_greedy,
-                          "eval sampled": progs.eval_sampled}[prog.group]
-                n = int(prog.part.split()[1])
-                step = _measure(engine.lower_decode_step(
-                    progs.abstract_params(), cfg.train.batch_size, cfg.data.max_prompt_len, n),
-                    top, margin)
-                row["step_flops"], row["step_bytes_accessed"] = (step["xla_flops"],
-                                                                 step["xla_bytes_accessed"])
-                row["step_ms"] = 1e3 * max(step["xla_flops"] / top.peak_flops,
-                                           step["xla_bytes_accessed"] / top.hbm_bytes_per_s)
-                if n == engine.slots:
-                    row["decode_step"] = _decode_traffic(step, progs, n, model_cfg, mesh,
-                                                         engine.cache_length(
-                                                             engine.batch_shape(
-                                                                 cfg.train.batch_size,
-                                                                 cfg.data.max_prompt_len)[1]))
-        elif prog.name in ("rollout", "eval greedy", "eval sampled") and not decode_step:
-            row["flops"], row["bytes_accessed"] = row["xla_flops"], row["xla_bytes_accessed"]
-        elif prog.name in ("rollout", "eval greedy", "eval sampled"):
-            sampler = {"rollout": progs.sampler, "eval greedy": progs.eval_greedy,
-                       "eval sampled": progs.eval_sampled}[prog.name]
-            per_call = r.max_prompts_per_call or cfg.train.batch_size
-            call = (per_call, cfg.data.max_prompt_len)
-            phases = []
-            for L, n in sampler.cache_phases(*call):
-                step = _measure(sampler.lower_decode_step(progs.abstract_params(), *call,
-                                                          cache_length=L), top, margin)
-                phases.append({"cache_length": L, "steps": n, "flops": step["xla_flops"],
-                               "bytes_accessed": step["xla_bytes_accessed"],
-                               "peak_gib": step["peak_gib"], "compile_s": step["compile_s"]})
-            # The last phase's step is on the whole cache: the worst step.
-            row["decode_step"] = _decode_traffic(step, progs, prog.rows, model_cfg, mesh)
-            row["decode_phases"] = phases
-            steps = sum(p["steps"] for p in phases)
-            row["decode_step"]["mean_bytes_accessed"] = sum(
-                p["steps"] * p["bytes_accessed"] for p in phases) / max(1, steps)
-            row["flops"] = row["xla_flops"] + sum(p["steps"] * p["flops"] for p in phases)
-            row["bytes_accessed"] = row["xla_bytes_accessed"] + sum(
-                p["steps"] * p["bytes_accessed"] for p in phases)
+            if prog.part:
+                row["part"], row["group"] = prog.part, prog.group
+            costs["runs"][prog.group, prog.part] = _roofline_ms(row["xla_flops"],
+                                                                row["xla_bytes_accessed"], top)
+            if decode_step:
+                _cost_loops(row, prog, progs, model_cfg, mesh, top, margin, costs["steps"])
         else:
             train = prog.name == "update"
             T = prog.tokens // prog.rows
@@ -348,7 +324,7 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
         say(_line(row))
     bad = [p for p in report["programs"] if not p["fits"]]
     report["fits"] = not bad
-    report["_progs"], report["_engine"] = progs, progs.sampler
+    report["_progs"], report["_engine"], report["_costs"] = progs, progs.sampler, costs
     report["verdict"] = ("every program fits" if not bad else " ".join(
         f"The {p['name']} does not fit: it needs {p['peak_gib']:.2f} GiB per chip, "
         f"{p['peak_gib'] - p['limit_gib']:.2f} GiB over the {p['limit_gib']:.2f} GiB usable "
@@ -356,7 +332,51 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
     return report
 
 
-def sample_lengths(spec: str, samples: int, cap: int, seed: int = 0):
+def _roofline_ms(flops: float, nbytes: float, top: Topology) -> float:
+    """A roofline time: max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), in ms."""
+    return 1e3 * max(flops / top.peak_flops, nbytes / top.hbm_bytes_per_s)
+
+
+def _cost_loops(row: dict, prog, progs, model_cfg, mesh, top: Topology, margin: float,
+                step_costs: dict) -> None:
+    """Compile one step of each of the program's decode loops by itself (its
+    loop body counted once, with what the compiler stages around the loop,
+    in the program's own numbers) and put their costs into `row`: a loop
+    whose steps a call fixes (`DecodeLoop.steps`) adds them to the program's
+    FLOPs and bytes (`decode_phases`); one the schedule runs reports its
+    step (`step_ms`). The full loop's step gets `decode_step`, its traffic
+    against the minimum. step_costs[(use, loop key)]: each step's ms."""
+    phases, full = [], None
+    for loop in prog.loops:
+        step = _measure(loop.lower(), top, margin)
+        ms = _roofline_ms(step["xla_flops"], step["xla_bytes_accessed"], top)
+        step_costs[prog.group, loop.key] = ms
+        if loop.steps is None:
+            row["step_flops"], row["step_bytes_accessed"] = (step["xla_flops"],
+                                                             step["xla_bytes_accessed"])
+            row["step_ms"] = ms
+        else:
+            phases.append({"cache_length": loop.cache_length, "steps": loop.steps,
+                           "flops": step["xla_flops"],
+                           "bytes_accessed": step["xla_bytes_accessed"],
+                           "peak_gib": step["peak_gib"], "compile_s": step["compile_s"]})
+        if loop.full:
+            full = _decode_traffic(step, progs, loop.rows, model_cfg, mesh, loop.cache_length)
+    if full is not None:
+        row["decode_step"] = full
+    if phases:
+        row["decode_phases"] = phases
+        steps = sum(p["steps"] for p in phases)
+        if full is not None:
+            full["mean_bytes_accessed"] = sum(
+                p["steps"] * p["bytes_accessed"] for p in phases) / max(1, steps)
+        # The program's own numbers plus its loops' steps (set last, as the row's totals).
+        flops = row.pop("flops") + sum(p["steps"] * p["flops"] for p in phases)
+        nbytes = row.pop("bytes_accessed") + sum(p["steps"] * p["bytes_accessed"] for p in phases)
+        row["flops"], row["bytes_accessed"] = flops, nbytes
+
+
+def sample_lengths(spec: str, samples: int, cap: int, seed: int = 0, flag: str = "--lengths"):
     """Response lengths int[samples] drawn from `spec`, 'lognormal:MEDIAN:SIGMA'
     (rounded, at least 1, capped at max_new_tokens), with a fixed seed."""
     import math
@@ -369,16 +389,20 @@ def sample_lengths(spec: str, samples: int, cap: int, seed: int = 0):
     except ValueError:
         median = 0.0
     if not (1 <= median < math.inf and 0 <= sigma < math.inf):
-        raise ConfigError(f"--lengths {spec!r} is no length distribution: use "
+        raise ConfigError(f"{flag} {spec!r} is no length distribution: use "
                           "lognormal:MEDIAN:SIGMA with a finite MEDIAN >= 1 and a finite "
                           "SIGMA >= 0, e.g. lognormal:800:0.8.")
     rng = np.random.default_rng(seed)
     return np.clip(np.round(rng.lognormal(np.log(median), sigma, samples)), 1, cap).astype(int)
 
 
-def rollout_estimate(report: dict, cfg, top: Topology, spec: str) -> dict | None:
+def rollout_estimate(report: dict, cfg, top: Topology, spec: str,
+                     prompt_spec: str = PROMPT_LENGTHS) -> dict | None:
     """The rollout's time per RL step on response lengths drawn from `spec`
     (one fixed draw of batch x group lengths), from the compiled programs:
+    what the rollout engine runs for those lengths (`Engine.plan_estimate`),
+    each program call and each decode step costed by its compiled program
+    (the roofline of `_plan`'s numbers for it):
 
     static: each call of max_prompts_per_call prompts runs its program (the
       prefill, and each phase's loop body once) plus, for its longest
@@ -392,48 +416,22 @@ def rollout_estimate(report: dict, cfg, top: Topology, spec: str) -> dict | None
     None when the rollout's programs were not compiled (--only) or their
     decode steps were not (decode_step=False)."""
     import numpy as np
-    from erpo_jax.rollout.continuous import static_steps
     r, B = cfg.rollout, cfg.train.batch_size
     G, N = r.group_size, r.max_new_tokens
     lengths = sample_lengths(spec, B * G, N)
-    rows = {p["name"]: p for p in report["programs"]}
-    roof = lambda flops, nbytes: 1e3 * max(flops / top.peak_flops, nbytes / top.hbm_bytes_per_s)
-    useful = int((lengths - 1).sum())
+    engine, costs = report["_engine"], report["_costs"]
     out = {"lengths": spec, "samples": int(lengths.size), "mean_length": float(lengths.mean()),
            "median_length": float(np.median(lengths)),
-           "truncated_frac": float(np.mean(lengths >= N)), "engine": report["_engine"].name}
-    if report["_engine"].name == "static":
-        row = rows.get("rollout")
-        if row is None or "decode_phases" not in row:
-            return None
-        per_call = (r.max_prompts_per_call or B) * G
-        total, steps = 0.0, 0
-        for i in range(0, lengths.size, per_call):
-            left = int(lengths[i:i + per_call].max()) - 1
-            steps += left
-            total += roof(row["xla_flops"], row["xla_bytes_accessed"])
-            for q in row["decode_phases"]:
-                n = min(left, q["steps"])
-                total += n * roof(q["flops"], q["bytes_accessed"])
-                left -= n
-        out.update(decode_steps=steps, slot_utilization=useful / (per_call * steps),
-                   estimated_ms=total, rows_per_call=per_call, calls=-(-lengths.size // per_call))
-        out["static_steps_check"] = static_steps(lengths, per_call)
-        return out
-    engine = report["_engine"]
-    sched = engine.schedule(lengths, B)
-    need = [f"rollout decode {n}" for n in sched["steps_by_size"]] + \
-        [f"rollout insert {q}" for q in sched["inserts"]]
-    if any(k not in rows for k in need):
+           "truncated_frac": float(np.mean(lengths >= N)), "engine": engine.name}
+    prompts = sample_lengths(prompt_spec, B, cfg.data.max_prompt_len, seed=1)
+    est = engine.plan_estimate(lengths, B, cfg.data.max_prompt_len, r.max_prompts_per_call,
+                               lambda part: costs["runs"].get(("rollout", part)),
+                               lambda key: costs["steps"].get(("rollout", key)),
+                               kv_read_ms=lambda nbytes: 1e3 * nbytes / top.hbm_bytes_per_s,
+                               prompt_lengths=prompts)
+    if est is None:
         return None
-    ms = lambda name: rows[name].get("step_ms", rows[name]["estimated_ms"])
-    decode = sum(k * ms(f"rollout decode {n}") for n, k in sched["steps_by_size"].items())
-    insert = sum(k * ms(f"rollout insert {q}") for q, k in sched["inserts"].items())
-    out.update(decode_steps=sched["steps"], slot_utilization=useful / sched["slot_steps"],
-               estimated_ms=decode + insert, decode_ms=decode, insert_ms=insert,
-               slots=engine.slots, steps_by_size={str(k): v for k, v in
-                                                  sched["steps_by_size"].items()},
-               inserts={str(k): v for k, v in sched["inserts"].items()})
+    out.update(est)
     return out
 
 
@@ -469,7 +467,7 @@ def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh,
     once per call, `model.in_compute_dtype`) and the whole KV cache read
     once (per chip). The minimum assumes each chip reads only its own weight
     shard, which the sampler's weight-stationary decode step does
-    (`sampler` module docstring); an FSDP step that gathers the weights
+    (`static` module docstring); an FSDP step that gathers the weights
     reads the whole model on every chip."""
     import math
 
@@ -639,6 +637,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--only", default="", help="comma-separated program names to compile "
                    "(rollout, reference forward, update, eval greedy, eval sampled, "
                    "reference pass); default all")
+    p.add_argument("--prompt-lengths", default=PROMPT_LENGTHS,
+                   help="prompt lengths of the rollout-time estimate (the paged engine's "
+                        "pages hold a prompt's real tokens): lognormal:MEDIAN:SIGMA "
+                        f"(default {PROMPT_LENGTHS}: chat-templated MATH prompts)")
     p.add_argument("--lengths", default="lognormal:800:0.8",
                    help="response lengths of the rollout-time estimate: lognormal:MEDIAN:SIGMA "
                    "(capped at rollout.max_new_tokens); default lognormal:800:0.8")
@@ -658,12 +660,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cfg = load_config(args.config, args.overrides, cpu=args.cpu)
     sample_lengths(args.lengths, 1, 1)   # a bad spec is refused before anything compiles
+    sample_lengths(args.prompt_lengths, 1, 1, flag="--prompt-lengths")
     print(f"{cfg.name} on {top.name}: {top.chips} chips on {top.hosts} host(s), "
           f"{top.hbm_gib:g} GiB HBM, {top.peak_flops / 1e12:g} TFLOP/s bf16, "
           f"{top.hbm_bytes_per_s / 1e9:g} GB/s per chip ({SOURCE})", flush=True)
     only = tuple(x.strip() for x in args.only.split(",") if x.strip())
     report = plan(cfg, top, args.margin, only=only, say=lambda s: print(s, flush=True),
-                  strict_only=True, lengths=args.lengths)
+                  strict_only=True, lengths=args.lengths, prompt_lengths=args.prompt_lengths)
     print("Per chip. Estimated ms: roofline max(FLOPs / peak, bytes / bandwidth), an "
           "estimate; collectives are not in it.")
     if args.suggest:

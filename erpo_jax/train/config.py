@@ -24,7 +24,7 @@ from typing import Any
 
 from erpo_jax.rl.loss import LossConfig, deferred_validation
 from erpo_jax.rl.weights import W_MAX, W_MIN
-from erpo_jax.rollout.engine import ENGINES
+from erpo_jax.rollout.engine import ENGINES, engine_name
 from erpo_jax.runtime.errors import ConfigError  # noqa: F401  (re-exported: its home for callers)
 
 
@@ -133,7 +133,7 @@ class RolloutSection:
     max_prompts_per_call: int = 0
     # The decode loop's KV cache grows in up to this many phases, so a decode
     # step's attention reads about the filled slots instead of the whole cache
-    # (rollout.sampler.cache_phase_lengths); each phase compiles the decode
+    # (rollout.static.cache_phase_lengths); each phase compiles the decode
     # step once more. 1 = one loop over the whole cache.
     cache_phases: int = 4
     # The rollout engine (rollout.engine): 'static' (a call's rows decode
@@ -142,7 +142,7 @@ class RolloutSection:
     # samples for the same key, to float rounding: a draw can flip where
     # rounding moves it across a token boundary) or 'auto': continuous on the real path
     # (data.task=jsonl), whose response lengths vary, static on the embedded
-    # arithmetic task (`resolved_engine`). README "Choosing a rollout engine".
+    # arithmetic task (`rollout.engine.engine_name`). README "Choosing a rollout engine".
     engine: str = "auto"
     # The continuous engine's decode slots (0: the static engine's rows per
     # call, max_prompts_per_call (or the batch) x group_size, rounded up to the
@@ -150,6 +150,15 @@ class RolloutSection:
     # refill them (0: slots / 16, at least 1).
     slots: int = 0
     refill: int = 0
+    # The paged engine's KV pages: entries per page (a power of two; a
+    # multiple of 8 on TPU), pages over all data shards (0: every slot's
+    # longest prompt and response, the continuous engine's memory; fewer:
+    # inserting waits for pages), and its decode attention: 'auto' (jax's
+    # Pallas ragged paged attention kernel on TPU, the pure-JAX path
+    # elsewhere), 'kernel' or 'dense' (rollout.paged, model.paged_attention).
+    page_size: int = 16
+    kv_pages: int = 0
+    paged_attention: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,9 +362,19 @@ def _validate_ranges(cfg: RunConfig) -> None:
     if r.engine != "auto" and r.engine not in ENGINES:
         _fail("rollout.engine", f"is {r.engine!r}; the engines are "
               f"{', '.join(repr(e) for e in ENGINES)} (or 'auto').")
-    for name in ("slots", "refill"):
+    for name in ("slots", "refill", "kv_pages"):
         if getattr(r, name) < 0:
             _fail(f"rollout.{name}", f"must be >= 0 (0 = automatic), got {getattr(r, name)}.")
+    if engine_name(cfg) == "paged":
+        from erpo_jax.model.paged_attention import IMPLS
+        from erpo_jax.rollout.paged import check_page_size
+        try:
+            check_page_size(r.page_size)
+        except ValueError as e:
+            _fail("rollout.page_size", str(e).split("rollout.page_size ", 1)[1])
+        if r.paged_attention not in IMPLS:
+            _fail("rollout.paged_attention", f"is {r.paged_attention!r}; choose one of "
+                  f"{', '.join(map(repr, IMPLS))}.")
     if r.cache_phases < 1:
         _fail("rollout.cache_phases", f"must be >= 1 (1 = the whole cache from the start), "
               f"got {r.cache_phases}.")
@@ -540,10 +559,14 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
             _fail("optim.micro_batches", f"a micro-batch has {micro_rows} rows, which is not "
                   f"divisible by the data-parallel size {data_par}; change train.batch_size, "
                   "rollout.group_size or the mesh.")
-        if resolved_engine(cfg) == "continuous" and r.slots % data_par:
+        if engine_name(cfg) in ("continuous", "paged") and r.slots % data_par:
             _fail("rollout.slots", f"is {r.slots}, not a multiple of the data-parallel size "
-                  f"{data_par}: the continuous engine's slots lie over the data axes; set it "
-                  f"to {-(-r.slots // data_par) * data_par}.")
+                  f"{data_par}: the {engine_name(cfg)} engine's slots lie over the data axes; "
+                  f"set it to {-(-r.slots // data_par) * data_par}.")
+        if engine_name(cfg) == "paged" and r.kv_pages % data_par:
+            _fail("rollout.kv_pages", f"is {r.kv_pages}, not a multiple of the data-parallel "
+                  f"size {data_par}: each data shard holds its own pages; set it to "
+                  f"{-(-r.kv_pages // data_par) * data_par}.")
     return cfg
 
 
@@ -758,14 +781,3 @@ def save_config(cfg: RunConfig, path) -> None:
 def load_any(path: str | None, overrides=(), cpu=False) -> Any:
     return load_config(path, overrides, cpu)
 
-
-def resolved_engine(cfg: RunConfig) -> str:
-    """The rollout engine a run of `cfg` uses: rollout.engine, where 'auto' is
-    'continuous' on the real path (data.task=jsonl: chat-templated prompts,
-    responses of every length) and 'static' on the embedded arithmetic task,
-    whose answers have nearly equal lengths (experiments/BENCHMARKS.md,
-    "Rollout engines")."""
-    e = cfg.rollout.engine
-    if e != "auto":
-        return e
-    return "continuous" if cfg.data.task == "jsonl" else "static"

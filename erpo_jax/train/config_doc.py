@@ -14,7 +14,8 @@ import re
 import textwrap
 import tokenize
 
-from erpo_jax.train.config import RunConfig, resolved_engine
+from erpo_jax.rollout.engine import engine_name
+from erpo_jax.train.config import RunConfig
 
 _ENTRY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\s*,\s*[A-Za-z_][A-Za-z0-9_]*)*)\s*:\s*(.*)$")
 
@@ -104,7 +105,7 @@ def show_lines(cfg: RunConfig, docs: bool = True) -> list[str]:
         value = list(v) if isinstance(v, tuple) else v
         line = f"{name} = {value!r}"
         if name == "rollout.engine" and v == "auto":
-            line += f"   (resolves to {resolved_engine(cfg)!r})"
+            line += f"   (resolves to {engine_name(cfg)!r})"
         if text.get(name):
             doc = text[name].replace("\b", "\\b")   # '\boxed' in a docstring that is not raw
             line += f"   # {doc}"

@@ -14,7 +14,8 @@ import numpy as np
 
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding
-from erpo_jax.rollout.sampler import SamplingConfig, rollout_key
+from erpo_jax.rollout.engine import engine_for
+from erpo_jax.rollout.types import rollout_key
 from erpo_jax.runtime import rundir
 from erpo_jax.train.config import RunConfig
 from erpo_jax.train.tasks import Task
@@ -29,26 +30,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def eval_samplers(model_cfg: ModelConfig, cfg: RunConfig, eos_ids, pad_id: int,
-                  sharding: Sharding | None = None):
-    """(greedy engine, sampled engine or None when train.eval_n == 1) of the
-    evaluation, of the run's `rollout.engine`."""
-    from erpo_jax.train.programs import rollout_engine
-    t, r = cfg.train, cfg.rollout
-    common = dict(max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids), pad_id=pad_id,
-                  max_prompt_len=cfg.data.max_prompt_len, cache_phases=r.cache_phases)
-    greedy = rollout_engine(cfg, model_cfg, SamplingConfig(num_samples=1, greedy=True, **common),
-                            sharding)
-    sampled = None
-    if t.eval_n > 1:
-        sampled = rollout_engine(cfg, model_cfg, SamplingConfig(
-            num_samples=t.eval_n, temperature=t.eval_temperature, **common), sharding)
-    return greedy, sampled
-
-
 class Evaluator:
-    """Runs the evaluation sets of a task with the samplers of `eval_samplers`
-    (passed in, e.g. the Trainer's `Programs`, or built here)."""
+    """Runs the evaluation sets of a task with the run's 'eval greedy' and
+    'eval sampled' engines (`rollout.engine.engine_for`; passed in as
+    `samplers`, e.g. the Trainer's `Programs`', or built here)."""
 
     def __init__(self, model_cfg: ModelConfig, task: Task, cfg: RunConfig,
                  sharding: Sharding | None = None, max_problems: int | None = None,
@@ -56,8 +41,9 @@ class Evaluator:
         t, tok = cfg.train, task.tokenizer
         self.task, self.cfg = task, cfg
         self.max_problems = max_problems or t.eval_max_problems
-        self.greedy, self.sampled = samplers or eval_samplers(model_cfg, cfg, tok.eos_ids,
-                                                              tok.pad_id, sharding)
+        self.greedy, self.sampled = samplers or tuple(
+            engine_for(cfg, model_cfg, purpose, tok.eos_ids, tok.pad_id, sharding)
+            for purpose in ("eval greedy", "eval sampled"))
         self.sets = {name: probs[:self.max_problems] for name, probs in task.eval_sets.items()}
         self.prompts = {name: task.prompts(probs) for name, probs in self.sets.items()}
 

@@ -10,8 +10,8 @@ import jax
 def sample(engine, params, prompts: Sequence[Sequence[int]], key: jax.Array,
            max_prompts: int = 0):
     """A Rollout of numpy arrays over exactly len(prompts) * G rows (any
-    number of hosts), from a rollout engine (`rollout.engine`: the static
-    `Sampler` or the `ContinuousEngine`). max_prompts > 0: chunk c of that
+    number of hosts), from a rollout engine (`rollout.engine`: the
+    `StaticEngine` or the `ContinuousEngine`). max_prompts > 0: chunk c of that
     many prompts uses the key fold_in(key, c), whichever engine runs it, so
     both engines draw the same samples, to float rounding: a draw can flip
     where rounding moves it across a token boundary."""

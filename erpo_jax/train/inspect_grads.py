@@ -168,7 +168,7 @@ def run_batch(cfg, checkpoint: str, *, reference: str | None = None, step: int =
     Policy-KL (the inspector's --unit puts the term on)."""
     from erpo_jax.data.iterator import QueryBatchIterator
     from erpo_jax.rl import assemble, dynamic_sampling as ds
-    from erpo_jax.rollout.sampler import rollout_key
+    from erpo_jax.rollout.types import rollout_key
     from erpo_jax.runtime.distributed import to_host
     from erpo_jax.train.config import validate
     from erpo_jax.train.host import sample

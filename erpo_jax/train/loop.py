@@ -29,7 +29,7 @@ from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch, masks_from_layout
 from erpo_jax.rl.loss import LossConfig as LossConfigDefaults
 from erpo_jax.rl.query_kl import query_kl
-from erpo_jax.rollout.sampler import rollout_key
+from erpo_jax.rollout.types import rollout_key
 from erpo_jax.runtime import rundir
 from erpo_jax.runtime.run_lock import RunLock
 from erpo_jax.runtime.progress import progress_bar

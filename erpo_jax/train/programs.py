@@ -7,17 +7,19 @@ ShapeDtypeStructs (with their NamedShardings) for a TPU topology it does not
 have, and the compile-ahead thread lowers them for the first step's shapes.
 
 The programs of one RL run:
-  rollout            the sampler (prefill + decode loop) at max_prompts_per_call
+  rollout            the rollout engine's (`Engine.step_programs`: the static
+                     engine's one call of max_prompts_per_call prompts, the
+                     continuous engine's inserts and decode loops)
   reference forward  the Policy-KL reference's response log-probs (when it has one)
   update             the RL update: micro-batches, optimizer, donated state
-  eval greedy / eval sampled   the evaluation samplers
+  eval greedy / eval sampled   the evaluation engines' (their largest programs)
   reference pass     the one-time reference query pass (ref_batch_size rows)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +35,10 @@ from erpo_jax.rl import reference as ref_lib
 from erpo_jax.rl.batch import RLBatch
 from erpo_jax.rl.recipe import recipe
 from erpo_jax.rl.shaping import shaped_advantages
-from erpo_jax.rollout.engine import make_engine
-from erpo_jax.rollout.sampler import SamplingConfig
+from erpo_jax.rollout.engine import engine_for
+from erpo_jax.rollout.types import DecodeLoop, Engine
 from erpo_jax.train import train_step as step_lib
-from erpo_jax.train.config import RunConfig, resolved_engine
-from erpo_jax.train.evaluate import eval_samplers
+from erpo_jax.train.config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,14 @@ class Program:
     lower: object          # () -> jax.stages.Lowered
     rows: int = 0          # rows of the batch it processes
     tokens: int = 0        # tokens it processes (for FLOP accounting)
-    # One of the continuous rollout engine's programs ('insert Q' / 'decode n'
-    # of the engine `group` names); '' for the rest.
+    # A rollout engine's program: its name within the engine ('insert Q',
+    # 'decode n' of the continuous engine; '' when a call is one program),
+    # the engine's use it belongs to ('rollout', 'eval greedy', ...), the
+    # engine, and the decode loops whose steps `erpo plan` costs by themselves.
     part: str = ""
     group: str = ""
+    engine: Any = None
+    loops: tuple[DecodeLoop, ...] = ()
 
     def __post_init__(self):
         if not self.group:
@@ -61,28 +66,6 @@ class Program:
 
 def _abstract(x, sharding=None):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def rollout_engine(cfg: RunConfig, model_cfg: ModelConfig, sampling: SamplingConfig,
-                   sharding: Sharding | None):
-    """The rollout engine `rollout.engine` names, for `sampling`: the static
-    sampler, or the continuous engine with `rollout.slots` slots (default the
-    static engine's rows per call)."""
-    r = cfg.rollout
-    rows = (r.max_prompts_per_call or cfg.train.batch_size) * sampling.num_samples
-    return make_engine(resolved_engine(cfg), model_cfg, sampling, sharding, slots=r.slots,
-                       refill=r.refill, rows_per_call=rows)
-
-
-def rollout_sampling(cfg: RunConfig, eos_ids: Sequence[int], pad_id: int) -> SamplingConfig:
-    """How a run of `cfg` samples its training rollouts (the Trainer's sampler,
-    and `erpo inspect-grads`, which must draw the same groups)."""
-    r = cfg.rollout
-    return SamplingConfig(
-        max_new_tokens=r.max_new_tokens, num_samples=r.group_size, temperature=r.temperature,
-        top_p=r.top_p, top_k=r.top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
-        min_new_tokens=r.min_new_tokens, max_prompt_len=cfg.data.max_prompt_len,
-        cache_phases=r.cache_phases)
 
 
 class Programs:
@@ -108,10 +91,9 @@ class Programs:
             group_size=self.G, temperature=r.temperature, chunk_size=chunk, sharding=sharding,
             state_shardings=self.state_shardings, schedule=self.schedule,
             response_width=r.max_new_tokens, share_query=self.query_group > 1, seed=t.seed)
-        self.sampler = rollout_engine(cfg, model_cfg, rollout_sampling(cfg, eos_ids, pad_id),
-                                      sharding)
-        self.eval_greedy, self.eval_sampled = eval_samplers(model_cfg, cfg, eos_ids, pad_id,
-                                                            sharding)
+        self.sampler, self.eval_greedy, self.eval_sampled = (
+            engine_for(cfg, model_cfg, purpose, eos_ids, pad_id, sharding)
+            for purpose in ("rollout", "eval greedy", "eval sampled"))
         self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding,
                                                     row_chunks=o.micro_batches,
                                                     group_size=self.query_group)
@@ -268,7 +250,7 @@ class Programs:
         per_call = r.max_prompts_per_call or B
         Bp, P = self.sampler.batch_shape(per_call, P_max)
         T = P + N
-        out = self._engine_programs("rollout", self.sampler, params, per_call, P_max)
+        out = self._engine_programs("rollout", self.sampler, params)
         if self.recipe.needs_ref_logp:
             out.append(Program("reference forward", f"{B * G} rows x {T} tokens",
                                lambda: self.lower_reference_forward(params, T), B * G, B * G * T))
@@ -278,7 +260,7 @@ class Programs:
             lambda: self.update.lower(*self.update_arguments(state, T)), rows, rows * T))
         for name, s in (("eval greedy", self.eval_greedy), ("eval sampled", self.eval_sampled)):
             if s is not None:
-                out += self._engine_programs(name, s, params, per_call, P_max, brief=True)
+                out += self._engine_programs(name, s, params, brief=True)
         rb, width = cfg.train.ref_batch_size, ref_lib.bucket(P_max + 1)
         out.append(Program("reference pass", f"{rb} queries x {width} tokens",
                            lambda: self.ref_pass_fn.lower(
@@ -286,28 +268,18 @@ class Programs:
                                self._rows(rb, width, dtype=jnp.bool_)), rb, rb * width))
         return out
 
-    def _engine_programs(self, name: str, engine, params, per_call: int, P_max: int,
+    def _engine_programs(self, name: str, engine: Engine, params,
                          brief: bool = False) -> list[Program]:
-        """The programs of a rollout engine at its largest shapes: the static
-        sampler's one call of `per_call` prompts; the continuous engine's
-        inserts and decode loops for the whole batch (brief: its largest
-        insert and its full pool's decode only)."""
-        r, n = self.cfg.rollout, engine.sampling.num_samples
-        N = engine.sampling.max_new_tokens
-        if engine.name == "static":
-            Bp, P = engine.batch_shape(per_call, P_max)
-            return [Program(name, f"{Bp} prompts x {n} samples, {P} prompt + {N} new tokens",
-                            lambda: engine.lower(params, per_call, P_max), Bp * n,
-                            Bp * n * (P + N))]
-        B = self.B
-        parts = engine.programs(params, B, P_max, r.max_prompts_per_call)
-        if brief:
-            inserts = [p for p in parts if p[0].startswith("insert")]
-            parts = [inserts[-1], next(p for p in parts if p[0].startswith("decode"))]
-        _, P = engine.batch_shape(B, P_max)
-        return [Program(f"{name} {part}", shapes, lower, engine.slots,
-                        engine.slots * (P + N), part=part, group=name)
-                for part, shapes, lower in parts]
+        """The programs a rollout engine runs for a step's train.batch_size
+        prompts of data.max_prompt_len tokens, in calls of
+        rollout.max_prompts_per_call (`Engine.step_programs`; brief: the
+        largest of each kind), named '<name> <part>' (or `name` when a call
+        is one program)."""
+        parts = engine.step_programs(params, self.B, self.cfg.data.max_prompt_len,
+                                     self.cfg.rollout.max_prompts_per_call, brief)
+        return [Program(f"{name} {p.part}" if p.part else name, p.shapes, p.lower, p.rows,
+                        p.tokens, part=p.part, group=name, engine=engine, loops=p.loops)
+                for p in parts]
 
     # ------------------------------------------------------------------ small programs
 

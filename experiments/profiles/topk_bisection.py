@@ -2,7 +2,7 @@
 takes off the CPU) against the bit bisection it takes on the CPU, in one run.
 Run: .venv/bin/python experiments/profiles/topk_bisection.py"""
 import time, jax, jax.numpy as jnp, numpy as np
-from erpo_jax.rollout.sampler import truncate_logits
+from erpo_jax.rollout.choice import truncate_logits
 for R, V in ((64, 151936), (128, 4096)):
     z = jnp.asarray(np.random.default_rng(0).normal(0, 3, (R, V)).astype(np.float32))
     out = {}

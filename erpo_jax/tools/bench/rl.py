@@ -82,15 +82,15 @@ def _bias_eos_logits(patches: contextlib.ExitStack, bias: float) -> None:
     rollout engines' sampling (for as long as `patches` holds)."""
     import jax.numpy as jnp
 
-    from erpo_jax.rollout import continuous, sampler
+    from erpo_jax.rollout import continuous, head, static
     from erpo_jax.train.tasks import load_tokenizer
     eos = jnp.asarray(load_tokenizer(None).eos_ids, jnp.int32)
-    plain = sampler.head_logits
+    plain = head.head_logits
 
     def biased(h, head, cfg, sharding=None):
         return plain(h, head, cfg, sharding).at[:, eos].add(bias)
 
-    for module in (sampler, continuous):
+    for module in (static, continuous):
         patches.enter_context(mock.patch.object(module, "head_logits", biased))
 
 

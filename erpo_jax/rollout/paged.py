@@ -1,0 +1,617 @@
+"""The paged rollout engine: the continuous engine's pool of slots over a KV
+cache in pages, where a prompt's G samples share its prompt's pages and a
+decode step's attention reads only the pages a slot has filled.
+
+The cache of one layer is `kv_pages[pages, page_size, 2 * Nk, K]`
+(model/paged_attention.py), split over the data shards: each shard owns
+`pages_per_shard` pages and the slots that lie on it, and a slot's page
+table names pages of its own shard. A slot's sequence is its prompt's real
+tokens (not the bucket's padding) followed by its response:
+
+  prompt pages   the prompt's whole pages, written once per shard by the
+                 insert that first needs them there (from the prefill, or
+                 from the one-prompt stash of the continuous engine) and
+                 shared by every sample of the prompt on that shard; only
+                 read after;
+  own pages      the sample's: the first starts with a copy of the prompt's
+                 last, partial page, then its response entries. Taken at
+                 insert for the sample's longest possible response, given
+                 back when it ends.
+
+The host keeps the page book (free pages per shard, each prompt's pages and
+how many samples on the shard still use them): it places each pending
+sample, in sample order, in a free slot of a shard with pages for it, and
+inserting waits while no shard has them. A sample takes its pages at
+insert, so a pool whose pages cannot hold every slot's longest response
+(`rollout.kv_pages` below `slots` x that) runs fewer samples at once than
+it has slots; its decode step still reads only what its slots hold.
+
+Programs: `start`, `weights` (the continuous engine's), `insert Q` (prefill
+Q prompts, write the prompt pages and the slots' first pages, set the new
+slots' page tables, choose token 0) and `decode` (one-token steps in a
+`lax.while_loop` until `refill` slots are free or none is live). The pool
+does not shrink at the end of a call: an empty slot's attention reads
+nothing.
+
+Exactness: the continuous engine's. A slot attends to the same keys (its
+prompt's real tokens and its own earlier tokens, in another order) with the
+same sample keys and uniforms, so for the same key every sample's tokens are
+the static engine's, to float rounding, whatever the page size, the pages or
+the order of refills.
+
+Attention: `paged_attention.decode`, run per data shard under `shard_map`:
+on TPU jax's Pallas kernel `ragged_paged_attention` (reads pages
+[0, ceil(len / page_size)) of each slot), elsewhere a pure-JAX gather over
+the same pages (`rollout.paged_attention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from erpo_jax.model import model as model_lib
+from erpo_jax.model import paged_attention
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.sharding import Sharding, platform as platform_of
+from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, _logical_axes, pool_slots
+from erpo_jax.rollout.head import head_logits
+from erpo_jax.rollout.types import Rollout, SamplingConfig
+from erpo_jax.runtime import xla_options
+from erpo_jax.runtime.distributed import to_host
+
+
+class PagedCache(NamedTuple):
+    """pages: tuple of L kv_pages arrays [shards * pages_per_shard, page_size,
+    2 * Nk, K]; table: int32[slots, pages per slot], page ids local to the
+    slot's shard; kv_len: int32[slots], entries the slot's sequence holds."""
+
+    pages: tuple
+    table: jax.Array
+    kv_len: jax.Array
+
+
+def own_pages(page_size: int, max_new_tokens: int) -> int:
+    """Pages a sample takes at insert: its prompt's partial last page (at most
+    page_size - 1 entries) and its longest response (max_new_tokens - 1 fed
+    tokens; the last token is never written)."""
+    return -(-(page_size - 1 + max(max_new_tokens - 1, 1)) // page_size)
+
+
+class PagedEngine(ContinuousEngine):
+    """The `paged` rollout engine (see the module docstring).
+
+    engine = PagedEngine(cfg, SamplingConfig(...), sharding, slots=64, page_size=16,
+                         kv_pages=4096)
+    out = engine.sample(params, prompts, rollout_key(seed_key, step), max_prompts)
+
+    kv_pages: pages over all data shards (a multiple of the data-parallel
+    size; 0: enough for every slot's longest response and prompt, the
+    continuous engine's memory). attention: 'auto' (the Pallas kernel on
+    TPU, the pure-JAX path elsewhere), 'kernel' or 'dense'.
+    """
+
+    name = "paged"
+
+    def __init__(self, cfg: ModelConfig, sampling: SamplingConfig,
+                 sharding: Sharding | None = None, slots: int = 0, refill: int = 0,
+                 page_size: int = 16, kv_pages: int = 0, attention: str = "auto"):
+        super().__init__(cfg, sampling, sharding, slots, refill)
+        check_pages(page_size, kv_pages, self.slots, sampling, sharding)
+        paged_attention.resolve_impl(attention, sharding, cfg.head_dim)
+        self.page_size, self.kv_pages, self.attention = page_size, kv_pages, attention
+        self.last_pages: dict = {}
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, sampling: SamplingConfig, sharding: Sharding | None,
+                    rollout, rows_per_call: int) -> PagedEngine:
+        """The engine of a run (`types.Engine.from_config`): the continuous
+        engine's slots and refill, and rollout.page_size, rollout.kv_pages and
+        rollout.paged_attention."""
+        return cls(cfg, sampling, sharding, slots=pool_slots(rollout.slots, sharding,
+                                                             rows_per_call),
+                   refill=rollout.refill,
+                   page_size=rollout.page_size, kv_pages=rollout.kv_pages,
+                   attention=rollout.paged_attention)
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def shards(self) -> int:
+        return self.sharding.data_size if self.sharding is not None else 1
+
+    def prompt_pages(self, P: int) -> int:
+        """Whole pages of the longest prompt of bucket P."""
+        return P // self.page_size
+
+    def pages_per_slot(self, P: int) -> int:
+        return self.prompt_pages(P) + own_pages(self.page_size, self.sampling.max_new_tokens)
+
+    def pages_per_shard(self, P: int) -> int:
+        """Pages of each shard: kv_pages / shards, or (kv_pages = 0) every
+        slot's own pages and one prompt's pages per slot."""
+        if self.kv_pages:
+            return self.kv_pages // self.shards
+        return (self.slots // self.shards) * self.pages_per_slot(P)
+
+    def pool_sizes(self) -> list[int]:
+        return [self.slots]
+
+    def cache_length(self, P: int) -> int:
+        """Entries one slot's page table can name."""
+        return self.pages_per_slot(P) * self.page_size
+
+    def _writes(self, Q: int, P: int) -> int:
+        """Page writes an insert of Q prompts makes on each shard, at most:
+        the whole pages of each prompt it places a sample of there (the
+        stash's and the Q new ones), and each new slot's first page."""
+        local = self.slots // self.shards
+        return min(local, 1 + Q) * self.prompt_pages(P) + local
+
+    # ------------------------------------------------------------------ state
+
+    def _empty_cache(self, n: int, P: int) -> PagedCache:
+        """Every shard's pages, and n empty page tables."""
+        cfg = self.cfg
+        pages = tuple(jnp.zeros((self.shards * self.pages_per_shard(P), self.page_size,
+                                 2 * cfg.num_kv_heads, cfg.head_dim), cfg.jnp_compute_dtype)
+                      for _ in range(cfg.num_layers))
+        return PagedCache(pages, jnp.zeros((n, self.pages_per_slot(P)), jnp.int32),
+                          jnp.zeros((n,), jnp.int32))
+
+    def _state_shardings(self, like: PoolState):
+        if self.sharding is None:
+            return None
+        axes = _logical_axes(dataclasses.replace(
+            like, cache=model_lib.KVCache(like.cache.pages, like.cache.pages, None, None)))
+        L = len(like.cache.pages)
+        axes = dataclasses.replace(axes, cache=PagedCache(
+            (("rows", None, "act_kv_heads", None),) * L, ("batch", None), ("batch",)))
+        is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str)
+                                                        for a in x)
+        return jax.tree_util.tree_map(lambda ax: self.sharding.named(ax), axes, is_leaf=is_axes)
+
+    # ------------------------------------------------------------------ programs
+
+    def _scatter(self, pages, blocks, ids):
+        """pages.at[ids].set(blocks), each data shard into its own pages
+        (ids local; a scatter by global ids would make the partitioner
+        gather every shard's pages)."""
+        write = lambda p, b, i: p.at[i].set(b, mode="drop")
+        sh = self.sharding
+        if sh is None or sh.mesh.size == 1:
+            return write(pages, blocks, ids)
+        from jax.sharding import PartitionSpec as PS
+        rows, heads = paged_attention._axes(sh, pages.shape[2] // 2)
+        spec = PS(rows, None, heads, None)
+        return jax.shard_map(write, mesh=sh.mesh, in_specs=(spec, spec, PS(rows)),
+                             out_specs=spec, check_vma=False)(pages, blocks, ids)
+
+    def _make_insert(self, R, P, per_call, Q, n):
+        ps = self.page_size
+
+        def insert(s: PoolState, params, head, tokens, mask, src, sample, keep, table,
+                   kv_len, w_row, w_start, w_page):
+            """tokens / mask [Q, P], src, sample, keep: the continuous engine's
+            insert's. table int32[slots, pages per slot], kv_len int32[slots]:
+            the new slots' page tables and prompt lengths. w_row / w_start /
+            w_page int32[shards * W]: page writes, shard d's in chunk d, each
+            the page_size entries of row w_row of [stash, prompts] from entry
+            w_start (of its P, padded) into page w_page of that shard (out of
+            range: none). Each shard scatters only into its own pages."""
+            self._count()
+            st = self._prefill(s.stash, params, head, tokens, mask, Q, P)
+
+            def put(pages, k, v):
+                # Rows' entries as [rows, P + ps, 2Nk, K], padded so a block never runs off.
+                kv = paged_attention.interleave(k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3))
+                kv = jnp.pad(kv, ((0, 0), (0, ps), (0, 0), (0, 0))).astype(pages.dtype)
+                block = lambda r, a: jax.lax.dynamic_slice_in_dim(kv[r], a, ps, axis=0)
+                blocks = self._constrain(jax.vmap(block)(w_row, w_start),
+                                         ("rows", None, "act_kv_heads", None))
+                return self._scatter(pages, blocks, w_page)
+
+            c = s.cache
+            new = src >= 0
+            cache = PagedCache(tuple(map(put, c.pages, st.k, st.v)),
+                               jnp.where(new[:, None], table, c.table),
+                               jnp.where(new, kv_len, c.kv_len))
+            return self._begin(dataclasses.replace(s, cache=cache), st, src, sample, keep, R, n)
+
+        return self._jit(insert, self._abstract_state(R, P), donate=True)
+
+    def _step(self, R: int, P: int, n: int):
+        cfg, sh = self.cfg, self.sharding
+        stationary = None if sh is None else sh.weight_stationary()
+
+        def step(params, head, s: PoolState) -> PoolState:
+            c, live = s.cache, s.live
+            h, pages = model_lib.decode_paged(params, cfg, s.last, s.positions, c.pages,
+                                              c.table, c.kv_len, live, sharding=stationary,
+                                              impl=self.attention)
+            cache = PagedCache(pages, c.table, c.kv_len + live.astype(jnp.int32))
+            return self._advance(s, head_logits(h, head, cfg, sh), cache, R)
+
+        return step
+
+    def lower_decode_step(self, params, num_prompts: int, longest_prompt: int, n: int = 0):
+        """One decode step lowered by itself (for `erpo plan`)."""
+        B, P = self.batch_shape(num_prompts, longest_prompt)
+        R = B * self.sampling.num_samples
+        like = self._abstract_state(R, P)
+        w, head = self._abstract_weights(params)
+        step = self._step(R, P, self.slots)
+        if self.sharding is None:
+            return jax.jit(step, donate_argnums=(2,)).lower(w, head, like)
+        shardings = self._state_shardings(like)
+        state = jax.tree_util.tree_map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like, shardings)
+        fn = jax.jit(step, donate_argnums=(2,), out_shardings=shardings,
+                     compiler_options=xla_options.for_steps())
+        return fn.lower(w, head, state)
+
+    def programs(self, params, num_prompts: int, longest_prompt: int, max_prompts: int = 0,
+                 every: bool = False) -> list:
+        """[(name, shapes, lower function)]: each insert size and the decode
+        loop; every=True adds start and weights."""
+        B, P = self.batch_shape(num_prompts, longest_prompt)
+        R, n = B * self.sampling.num_samples, self.slots
+        per_call = max_prompts if 0 < max_prompts < num_prompts else 0
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        like = self._abstract_state(R, P)
+        shardings = self._state_shardings(like)
+        state = like if shardings is None else jax.tree_util.tree_map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like, shardings)
+        w, head = self._abstract_weights(params)
+        out = []
+        if every:
+            out += self._setup_programs(params, R, P, per_call)
+        pps = self.pages_per_slot(P)
+        for Q in self._query_buckets(B):
+            rows = lambda dtype, Q=Q: jax.ShapeDtypeStruct(
+                (Q, P), dtype, sharding=self._named(("batch", None)) if Q else None)
+            W = self.shards * self._writes(Q, P)
+            out.append((f"insert {Q}", f"{Q} prompts x {P} tokens into {n} slots",
+                        lambda Q=Q, rows=rows, W=W: self._program("insert", R, P, 0, Q).lower(
+                            state, w, head, rows(jnp.int32), rows(jnp.bool_), i32(n), i32(n),
+                            i32(), i32(n, pps), i32(n), i32(W), i32(W), i32(W))))
+        out.append((f"decode {n}", f"{n} slots x {pps} pages of {self.page_size}, "
+                                   f"{self.shards * self.pages_per_shard(P)} pages, {R} samples",
+                    lambda: self._program("decode", R, P, n=n).lower(state, w, head, i32())))
+        return out
+
+    def plan_estimate(self, lengths, num_prompts: int, longest_prompt: int, max_prompts: int,
+                      run_ms, step_ms, kv_read_ms=None, prompt_lengths=None) -> dict | None:
+        """`erpo plan`'s rollout time (`types.Engine.plan_estimate`): the paged
+        `schedule` of these response lengths after prompts of prompt_lengths
+        tokens (default: every prompt longest_prompt long). Each decode step
+        costs the compiled step (whose cost does not count the attention
+        kernel's reads: checked, it does not change with the page count)
+        plus kv_read_ms of what the kernel copies that step, counted from
+        the page book: ceil(held / page_size) pages of each live slot, each
+        page_size x (key + value) x KV heads x head size x layers, per chip
+        (slots over the data shards, heads over the tensor shards where
+        they divide). Inserts as the continuous engine's. Also the KV the
+        slots hold per step and the pages' share of it."""
+        if kv_read_ms is None:
+            return None
+        B, P = self.batch_shape(num_prompts, longest_prompt)
+        G = self.sampling.num_samples
+        plen = (np.full(num_prompts, longest_prompt) if prompt_lengths is None
+                else np.minimum(np.asarray(prompt_lengths), P))
+        sched = schedule(lengths, plen, G, self.slots, self.shards, self.pages_per_shard(P),
+                         self.page_size, self.sampling.max_new_tokens, self.refill)
+        step = step_ms(f"decode {self.slots}")
+        call = {q: run_ms(f"insert {q}") for q in self._query_buckets(B)}
+        if step is None or None in call.values():
+            return None
+        steps = max(sched["steps"], 1)
+        entry = self.kv_entry_bytes()
+        read = sched["entries_read"] * entry / steps        # per step, per chip
+        held = sched["entries_held"] * entry / steps
+        decode = sched["steps"] * (step + kv_read_ms(read))
+        # Inserts: one per placement, at the smallest bucket holding its prompts.
+        insert = sum(k * call[next(b for b in call if b >= q)]
+                     for q, k in sched["inserts"].items())
+        useful = int((np.asarray(lengths) - 1).sum())
+        return {"decode_steps": sched["steps"], "slot_utilization": useful / sched["slot_steps"],
+                "estimated_ms": decode + insert, "decode_ms": decode, "insert_ms": insert,
+                "slots": self.slots, "max_live": sched["max_live"],
+                "pages_per_shard": self.pages_per_shard(P), "peak_pages": sched["peak_pages"],
+                "page_size": self.page_size, "mean_prompt_length": float(plen.mean()),
+                "kv_read_per_step_bytes": read, "kv_held_per_step_bytes": held,
+                "steps_by_size": {str(self.slots): sched["steps"]},
+                "inserts": {str(k): v for k, v in sched["inserts"].items()}}
+
+    def kv_entry_bytes(self) -> float:
+        """Bytes of one KV entry over all layers, per chip: key and value of
+        the KV heads a chip holds (all of them unless the tensor axis divides
+        them), divided over the data shards' chips that hold slots."""
+        cfg, sh = self.cfg, self.sharding
+        Nk = cfg.num_kv_heads
+        per_chip_heads = Nk
+        shards = 1
+        if sh is not None:
+            from erpo_jax.model.sharding import axis_size
+            t = axis_size(sh.mesh, sh.spec(("act_kv_heads",))[0])
+            per_chip_heads = Nk // t if Nk % t == 0 else Nk
+            shards = sh.data_size
+        item = jnp.dtype(cfg.jnp_compute_dtype).itemsize
+        return cfg.num_layers * 2 * per_chip_heads * cfg.head_dim * item / shards
+
+    # ------------------------------------------------------------------ host loop
+
+    def run(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
+            max_prompts: int = 0) -> tuple[Rollout, int]:
+        """(Rollout of device arrays over B' * G rows, real rows B * G), as
+        `ContinuousEngine.run`, with the page book kept here."""
+        tokens, mask, B = self.prepare(prompts)
+        Bp, P = tokens.shape
+        sc, n, ps = self.sampling, self.slots, self.page_size
+        G, N = sc.num_samples, sc.max_new_tokens
+        R, real = Bp * G, B * G
+        per_call = max_prompts if 0 < max_prompts < B else 0
+        book = PageBook(self.shards, n, self.pages_per_shard(P), ps,
+                        own_pages(ps, N), self.pages_per_slot(P))
+        lengths = mask.sum(axis=1).astype(np.int64)
+        state = self._program("start", R, P, per_call)(rng)
+        w, head = self._program("weights", R, P)(params)
+        buckets = self._query_buckets(Bp)
+        occupied = np.full(n, -1)                 # the slot's sample, -1 free
+        live = np.zeros(n, bool)
+        nxt, stashed, steps, slot_steps = 0, -1, 0, 0
+        while True:
+            # Samples that ended (in the last decode, or at token 0) give their pages back.
+            for slot in np.flatnonzero((occupied >= 0) & ~live):
+                book.release(slot, int(occupied[slot]) // G)
+                occupied[slot] = -1
+            inserted = False
+            if nxt < real:
+                placed = book.place(nxt, real, G, lengths, occupied)
+                if placed:
+                    slots_, ids = np.array([p[0] for p in placed]), np.array([p[1] for p in placed])
+                    prompt = ids // G
+                    fresh = np.unique(prompt[prompt != stashed])
+                    Q = next(q for q in buckets if q >= fresh.size)
+                    row_of = lambda b: 0 if b == stashed else 1 + int(np.searchsorted(fresh, b))
+                    src = np.full(n, -1, np.int32)
+                    sample = np.full(n, R, np.int32)
+                    table = np.zeros((n, book.per_slot), np.int32)
+                    kv_len = np.zeros(n, np.int32)
+                    writes = [[] for _ in range(book.shards)]
+                    for slot, r in zip(slots_, ids):
+                        b = int(r) // G
+                        src[slot], sample[slot] = row_of(b), r
+                        table[slot], kv_len[slot] = book.table(slot), lengths[b]
+                        start = P - int(lengths[b])
+                        d = book.shard(slot)
+                        for i, page in book.pending_prompt_writes(slot, b):
+                            writes[d].append((row_of(b), start + i * ps, page))
+                        full = int(lengths[b]) // ps
+                        writes[d].append((row_of(b), start + full * ps, book.first_own(slot)))
+                        occupied[slot] = r
+                    keep = row_of(int(prompt[-1]))
+                    rows = np.concatenate([fresh, np.full(Q - fresh.size, fresh[-1] if fresh.size
+                                                          else 0)]).astype(int)
+                    W = self._writes(Q, P)
+                    wr = np.zeros((3, book.shards, W), np.int32)
+                    wr[2] = book.per_shard                        # out of range: no write
+                    for d, ws in enumerate(writes):
+                        if ws:
+                            wr[:, d, :len(ws)] = np.array(ws, np.int32).T
+                    wr = wr.reshape(3, -1)
+                    q_tok, q_mask = tokens[rows], mask[rows]
+                    if Q and self.sharding is not None:
+                        put = self.sharding.named(("batch", None))
+                        q_tok, q_mask = jax.device_put(q_tok, put), jax.device_put(q_mask, put)
+                    state = self._program("insert", R, P, 0, Q)(
+                        state, w, head, q_tok, q_mask, src, sample, np.int32(keep), table,
+                        kv_len, wr[0], wr[1], wr[2])
+                    stashed, nxt = int(prompt[-1]), nxt + len(placed)
+                    live = live | (src >= 0)     # till the decode says otherwise
+                    inserted = True
+            pending = real - nxt
+            free = int(np.sum(occupied < 0))
+            if pending and not inserted and free:
+                refill = free + 1               # waiting for pages: run until a sample ends
+            else:
+                refill = min(self.refill, pending) if pending else n + 1
+            state, (live_dev, steps_dev) = self._program("decode", R, P, n=n)(
+                state, w, head, np.int32(refill))
+            live, total = to_host((live_dev, steps_dev))
+            live = np.asarray(live)
+            slot_steps += (int(total) - steps) * n
+            steps = int(total)
+            if nxt == real and not live.any():
+                break
+        out = self._collect(state, tokens, mask, real, steps, slot_steps)
+        self.last_pages = {"pages_per_shard": book.per_shard,
+                           "peak_pages_used": int(book.peak), "page_size": ps}
+        return out, real
+
+
+def check_page_size(page_size: int) -> None:
+    if page_size < 1 or page_size & (page_size - 1) or page_size > 1024:
+        raise ValueError(f"rollout.page_size is {page_size}; it must be a power of two up to "
+                         "1024, so that it divides the cache's length (e.g. 16).")
+
+
+def check_pages(page_size: int, kv_pages: int, slots: int, sc: SamplingConfig,
+                sharding: Sharding | None) -> None:
+    """One sentence per bad page setting, before anything compiles."""
+    check_page_size(page_size)
+    if platform_of(sharding) == "tpu" and page_size < 8:
+        raise ValueError(f"rollout.page_size is {page_size}; on TPU the attention kernel's tile "
+                         "is 8 entries: set it to a multiple of 8 (e.g. 16).")
+    shards = sharding.data_size if sharding is not None else 1
+    if kv_pages < 0 or kv_pages % shards:
+        raise ValueError(f"rollout.kv_pages is {kv_pages}; it must be 0 (automatic) or a "
+                         f"positive multiple of the {shards} data shards the pages lie over.")
+    if kv_pages:
+        need = -(-sc.max_prompt_len // page_size) + own_pages(page_size, sc.max_new_tokens)
+        if kv_pages // shards < need:
+            raise ValueError(
+                f"rollout.kv_pages is {kv_pages} ({kv_pages // shards} per data shard); one "
+                f"sample needs {need} on a shard (the longest prompt, {sc.max_prompt_len} "
+                f"tokens, and a response of up to {sc.max_new_tokens} tokens, in pages of "
+                f"{page_size}): raise it to at least {need * shards}, or set 0 for automatic.")
+
+
+class PageBook:
+    """The host's record of the pages: per shard a free list, each prompt's
+    whole pages on the shard and how many of its samples there use them, and
+    each slot's own pages. Slots [d * slots / shards, (d + 1) * slots / shards)
+    lie on shard d; page ids are local to a shard."""
+
+    def __init__(self, shards: int, slots: int, per_shard: int, page_size: int,
+                 own: int, per_slot: int):
+        self.shards, self.slots, self.per_shard = shards, slots, per_shard
+        self.page_size, self.own, self.per_slot = page_size, own, per_slot
+        self.free = [list(range(per_shard - 1, -1, -1)) for _ in range(shards)]
+        self.prompts: list[dict] = [{} for _ in range(shards)]   # b -> [pages, users, written]
+        self.slot_pages: dict[int, list[int]] = {}
+        self.slot_prompt: dict[int, int] = {}
+        self.peak = 0
+
+    def shard(self, slot: int) -> int:
+        return slot // (self.slots // self.shards)
+
+    def _need(self, d: int, b: int, length: int) -> int:
+        return self.own + (0 if b in self.prompts[d] else length // self.page_size)
+
+    def place(self, nxt: int, real: int, G: int, lengths, occupied) -> list[tuple[int, int]]:
+        """[(slot, sample)]: the pending samples from `nxt` on, in order, each
+        in a free slot of a shard with pages for it (its own, and its
+        prompt's there if not yet), taking those pages; stops at the first
+        sample no free slot can take."""
+        out = []
+        free_slots = [s for s in range(self.slots) if occupied[s] < 0]
+        for r in range(nxt, real):
+            b = r // G
+            fit = next((s for s in free_slots
+                        if len(self.free[self.shard(s)]) >= self._need(self.shard(s), b,
+                                                                       int(lengths[b]))), None)
+            if fit is None:
+                break
+            free_slots.remove(fit)
+            self._take(fit, b, int(lengths[b]))
+            out.append((fit, r))
+        used = sum(self.per_shard - len(f) for f in self.free)
+        self.peak = max(self.peak, used)
+        return out
+
+    def _take(self, slot: int, b: int, length: int) -> None:
+        d = self.shard(slot)
+        if b not in self.prompts[d]:
+            whole = length // self.page_size
+            self.prompts[d][b] = [[self.free[d].pop() for _ in range(whole)], 0, False]
+        self.prompts[d][b][1] += 1
+        self.slot_pages[slot] = [self.free[d].pop() for _ in range(self.own)]
+        self.slot_prompt[slot] = b
+
+    def table(self, slot: int) -> np.ndarray:
+        """The slot's page table: its prompt's whole pages, then its own."""
+        d, b = self.shard(slot), self.slot_prompt[slot]
+        row = self.prompts[d][b][0] + self.slot_pages[slot]
+        return np.array(row + [0] * (self.per_slot - len(row)), np.int32)
+
+    def pending_prompt_writes(self, slot: int, b: int) -> list[tuple[int, int]]:
+        """[(page index in the prompt, local page id)] of the prompt's whole
+        pages this insert writes on the slot's shard (once per shard)."""
+        d = self.shard(slot)
+        rec = self.prompts[d][b]
+        if rec[2]:
+            return []
+        rec[2] = True
+        return list(enumerate(rec[0]))
+
+    def first_own(self, slot: int) -> int:
+        """The slot's first own page (it receives the prompt's partial last
+        page), local to its shard."""
+        return self.slot_pages[slot][0]
+
+    def release(self, slot: int, b: int) -> None:
+        d = self.shard(slot)
+        self.free[d].extend(reversed(self.slot_pages.pop(slot)))
+        self.slot_prompt.pop(slot)
+        rec = self.prompts[d][b]
+        rec[1] -= 1
+        if rec[1] == 0:
+            self.free[d].extend(reversed(rec[0]))
+            del self.prompts[d][b]
+
+
+def schedule(lengths: Sequence[int], prompt_lengths: Sequence[int], group: int, slots: int,
+             shards: int, pages_per_shard: int, page_size: int, max_new_tokens: int,
+             refill: int = 0) -> dict:
+    """What `PagedEngine.run` does for samples of these response lengths (in
+    sample order, `group` per prompt of prompt_lengths[b] tokens): its host
+    loop and page book, replayed without a model (`erpo plan` estimates a
+    rollout from it).
+
+    Returns the continuous `schedule`'s keys ('steps', 'slot_steps',
+    'steps_by_size', 'inserts' as prompts placed per insert) and
+    'entries_held' / 'entries_read': summed over the decode steps, the KV
+    entries the live slots hold (their prompt's real tokens and the tokens
+    fed so far) and the entries of the pages the attention kernel copies
+    (ceil(held / page_size) pages a slot); 'max_live', the most samples
+    decoding at once; 'peak_pages', the most pages in use on a shard.
+    """
+    refill = refill or max(1, slots // 16)
+    lengths = np.asarray(lengths, np.int64)
+    plen = np.asarray(prompt_lengths, np.int64)
+    need = np.maximum(lengths - 1, 0)              # decode steps: token 0 comes from the insert
+    book = PageBook(shards, slots, pages_per_shard, page_size, own_pages(page_size,
+                                                                          max_new_tokens),
+                    0)
+    left = np.zeros(slots, np.int64)               # decode steps each slot still needs
+    pos = np.zeros(slots, np.int64)                # entries each slot holds before its next step
+    occupied = np.full(slots, -1)
+    nxt, total, steps, held, read, max_live = 0, lengths.size, 0, 0, 0, 0
+    inserts: dict = {}
+    while True:
+        for s in np.flatnonzero((occupied >= 0) & (left == 0)):
+            book.release(int(s), int(occupied[s]) // group)
+            occupied[s] = -1
+        inserted = False
+        if nxt < total:
+            placed = book.place(nxt, total, group, plen, occupied)
+            if placed:
+                for s, r in placed:
+                    occupied[s], left[s], pos[s] = r, need[r], plen[r // group]
+                prompts = len({r // group for _, r in placed})
+                inserts[prompts] = inserts.get(prompts, 0) + 1
+                nxt, inserted = nxt + len(placed), True
+        pending = total - nxt
+        free = int(np.sum(occupied < 0))
+        live = left > 0
+        if pending and not inserted and free:
+            stop = free + 1
+        else:
+            stop = min(refill, pending) if pending else slots + 1
+        # Slots that ended at token 0 count as free once released.
+        free_now = int(np.sum(~live))
+        if live.any() and free_now < stop:
+            ends = np.sort(left[live])
+            run = int(ends[min(stop - free_now, ends.size) - 1])
+            k = np.minimum(left[live], run)               # steps each live slot runs
+            p0 = pos[live]
+            # Entries held at step i: p0 + i + 1 (the fed token written first).
+            held += int(np.sum(k * p0 + k * (k + 1) // 2))
+            for a, b in zip(p0, k):
+                e = np.arange(a + 1, a + b + 1)
+                read += int(np.sum(-(-e // page_size)) * page_size)
+            max_live = max(max_live, int(live.sum()))
+            left[live] -= k
+            pos[live] += k
+            steps += run
+        elif pending and not inserted and not live.any() and not (occupied >= 0).any():
+            raise ValueError("paged schedule: an empty pool has no pages for the next sample.")
+        if nxt == total and not (occupied >= 0).any():
+            return {"steps": steps, "slot_steps": steps * slots, "steps_by_size": {slots: steps},
+                    "inserts": inserts, "entries_held": held, "entries_read": read,
+                    "max_live": max_live, "peak_pages": int(book.peak)}

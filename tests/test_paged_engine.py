@@ -1,0 +1,144 @@
+"""The paged rollout engine draws the static engine's samples (same tokens,
+log-probs to float rounding, same masks, lengths and truncation flags)
+whatever its pool, page size, page count and refill order, sharded or not,
+keyed as the static engine's calls of max_prompts_per_call; a pool short of
+pages waits instead of failing; the bad page settings it refuses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from erpo_jax.model import model as model_lib
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.sharding import Sharding, make_mesh
+from erpo_jax.rollout.paged import PagedEngine, own_pages, schedule
+from erpo_jax.rollout.static import StaticEngine
+from erpo_jax.rollout.types import SamplingConfig
+
+from engine_checks import assert_same_samples
+
+CFG = ModelConfig()          # the tiny preset: vocab 256, 2 layers
+KEY = jax.random.key(7)
+EOS = tuple(range(5, 21))    # lengths about geometric, mean 16 (test_engines.py)
+SC = SamplingConfig(max_new_tokens=40, num_samples=4, eos_ids=EOS, top_k=50)
+
+
+@pytest.fixture(scope="module")
+def params():
+    p = model_lib.init_params(CFG, jax.random.key(0))
+    return {**p, "lm_head": p["lm_head"] * 0.5}
+
+
+def _prompts(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(21, CFG.vocab_size, size=k).tolist() for k in rng.integers(2, 14, size=n)]
+
+
+PROMPTS = _prompts(7)     # 28 samples; prompts of 2 to 13 tokens: whole and partial pages
+
+
+@pytest.fixture(scope="module")
+def static_out(params):
+    out = StaticEngine(CFG, SC).sample(params, PROMPTS, KEY)
+    assert out.lengths.min() == 1 and out.lengths.max() == SC.max_new_tokens
+    return out
+
+
+@pytest.mark.long(when=lambda p: p["slots"] in (9, 64))
+@pytest.mark.parametrize("slots, page_size", [(1, 4), (4, 8), (9, 2), (64, 16)])
+def test_paged_equals_static_for_any_pool_and_page_size(params, static_out, slots, page_size):
+    engine = PagedEngine(CFG, SC, slots=slots, page_size=page_size)
+    out = engine.sample(params, PROMPTS, KEY)
+    assert_same_samples(static_out, out, f"slots={slots} page_size={page_size}")
+    pages = engine.last_pages
+    assert 0 < pages["peak_pages_used"] <= pages["pages_per_shard"]
+
+
+def test_a_pool_short_of_pages_waits_for_pages_and_draws_the_same_samples(params, static_out):
+    """16 slots but pages for about 8 samples' longest responses: inserting
+    waits for pages to free (fewer samples run at once than slots), and the
+    samples do not change."""
+    sc = SamplingConfig(**{**SC.__dict__, "max_prompt_len": 16})
+    per_sample = own_pages(4, SC.max_new_tokens)                 # 11 pages of 4
+    kv_pages = 4 * 4 + 8 * per_sample                            # prompts' pages + 8 samples
+    roomy = PagedEngine(CFG, sc, slots=16, page_size=4)
+    tight = PagedEngine(CFG, sc, slots=16, page_size=4, kv_pages=kv_pages)
+    a, b = roomy.sample(params, PROMPTS, KEY), tight.sample(params, PROMPTS, KEY)
+    assert_same_samples(static_out, b, "kv_pages short")
+    assert_same_samples(a, b, "kv_pages short against roomy")
+    assert tight.last_pages["peak_pages_used"] <= kv_pages
+    # Fewer samples at once: more decode steps than the roomy pool's.
+    assert tight.last_stats["decode_steps"] > roomy.last_stats["decode_steps"]
+    # The schedule `erpo plan` replays from lengths alone is the one each engine ran.
+    for engine, out in ((roomy, a), (tight, b)):
+        plan = schedule(out.lengths, [len(x) for x in PROMPTS], SC.num_samples, 16, 1,
+                        engine.last_pages["pages_per_shard"], 4, SC.max_new_tokens)
+        assert plan["steps"] == engine.last_stats["decode_steps"]
+        assert plan["peak_pages"] == engine.last_pages["peak_pages_used"]
+    assert plan["max_live"] < 16
+
+
+@pytest.mark.long(when=lambda p: p["change"].get("max_new_tokens") == 1)
+@pytest.mark.parametrize("change", [dict(greedy=True, min_new_tokens=3),
+                                    dict(max_new_tokens=1)])
+def test_paged_equals_static_other_samplings(params, change):
+    sc = SamplingConfig(**{**SC.__dict__, **change})
+    want = StaticEngine(CFG, sc).sample(params, PROMPTS, KEY)
+    got = PagedEngine(CFG, sc, slots=5, page_size=4).sample(params, PROMPTS, KEY)
+    assert_same_samples(want, got, str(change))
+
+
+@pytest.mark.long(when=lambda p: p["max_prompts"] == 3)
+@pytest.mark.parametrize("max_prompts", [3, len(PROMPTS)])
+def test_max_prompts_keys_as_the_static_calls(params, max_prompts):
+    want = StaticEngine(CFG, SC).sample(params, PROMPTS, KEY, max_prompts=max_prompts)
+    got = PagedEngine(CFG, SC, slots=6, page_size=4).sample(params, PROMPTS, KEY,
+                                                            max_prompts=max_prompts)
+    assert_same_samples(want, got, f"max_prompts={max_prompts}")
+
+
+@pytest.mark.parametrize("mesh", [(4, 2, 1), (2, 1, 2)])
+def test_sharded_equals_static(params, static_out, mesh):
+    """Slots, page tables and pages over the data axis (page ids local to
+    each shard, a prompt's pages written on every shard that runs one of
+    its samples); on (2, 1, 2) the attention's heads over the tensor axis."""
+    sh = Sharding(make_mesh(mesh, jax.devices()[:int(np.prod(mesh))]))
+    p = jax.device_put(params, model_lib.param_shardings(CFG, sh))
+    engine = PagedEngine(CFG, SC, sh, slots=8, page_size=4)
+    out = engine.sample(p, PROMPTS, KEY)
+    assert_same_samples(static_out, out, f"mesh={mesh}")
+
+
+def test_bfloat16_rows_whose_tokens_differ_are_counted(params):
+    """In bfloat16 the paged attention sums in another order than the static
+    engine's: a draw may flip where rounding moves it across a token
+    boundary. Count the rows that differ, and check the log-probs up to
+    each row's first difference."""
+    cfg = ModelConfig(compute_dtype="bfloat16")
+    want = StaticEngine(cfg, SC).sample(params, PROMPTS, KEY)
+    got = PagedEngine(cfg, SC, slots=8, page_size=4).sample(params, PROMPTS, KEY)
+    differ = np.any(want.response_tokens != got.response_tokens, axis=1)
+    print(f"bfloat16: {int(differ.sum())} of {differ.size} rows differ")
+    assert differ.sum() <= differ.size // 4
+    for w, g, wl, gl in zip(want.response_tokens, got.response_tokens, want.logp, got.logp):
+        same = np.cumprod(w == g).astype(bool)
+        np.testing.assert_allclose(wl[same], gl[same], atol=0.1)
+
+
+def test_bad_page_settings_are_refused_naming_the_field():
+    sh = Sharding(make_mesh((4, 1, 1)))
+    for kw, match in ((dict(page_size=3), r"rollout.page_size is 3; .*power of two"),
+                      (dict(page_size=0), r"rollout.page_size is 0"),
+                      (dict(kv_pages=10), r"rollout.kv_pages is 10; .*multiple of the 4 data "),
+                      (dict(kv_pages=40), r"rollout.kv_pages is 40 \(10 per data shard\); one "
+                                          r"sample needs 36 on a shard")):
+        with pytest.raises(ValueError, match=match):
+            PagedEngine(CFG, SC, sh, slots=8, **kw)
+    with pytest.raises(ValueError, match=r"rollout.slots \(6\).*multiple of the data-parallel"):
+        PagedEngine(CFG, SC, sh, slots=6)
+    with pytest.raises(ValueError, match="rollout.paged_attention is 'flash'"):
+        PagedEngine(CFG, SC, slots=4, attention="flash")
+
