@@ -135,6 +135,34 @@ def test_plan_estimates_both_rollout_engines_on_a_length_distribution(tmp_path):
     assert bad.returncode == 2 and "lognormal:MEDIAN:SIGMA" in bad.stderr
 
 
+def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
+    """The paged engine's programs compile for v5e-4 (its inserts, its decode
+    loop and one step at half the pages); the estimate replays its schedule
+    on drawn response and prompt lengths, takes XLA's per-page charge of a
+    step from the two page counts and adds the pages the page table names."""
+    from erpo_jax.rollout.paged import schedule
+    spec, prompts = "lognormal:4:0.8", "lognormal:6:0.3"
+    proc, rep = _cli(tmp_path, *TINY, "rollout.engine=paged", "rollout.slots=4",
+                     "rollout.page_size=8", "--only", "rollout", "--lengths", spec,
+                     "--prompt-lengths", prompts)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    by = {p["name"]: p for p in rep["programs"]}
+    assert list(by) == ["rollout insert 0", "rollout insert 4", "rollout decode 4"]
+    est = rep["rollout_estimate"]
+    lengths = plan_lib.sample_lengths(spec, 8, 8)
+    plen = plan_lib.sample_lengths(prompts, 4, 16, seed=1)
+    # 4 slots, one per data shard (mesh 1 x 4 x 1), of 16 + 8 tokens in pages
+    # of 8: 2 prompt and 2 own pages each, 4 pages a shard.
+    sched = schedule(lengths, plen, 2, 4, 4, 4, 8, 8)
+    assert est["engine"] == "paged" and est["decode_steps"] == sched["steps"]
+    assert est["mean_prompt_length"] == pytest.approx(plen.mean())
+    assert est["kv_read_per_step_bytes"] >= est["kv_held_per_step_bytes"] > 0
+    assert 0 < est["step_ms"] and est["step_ratio"] > 0
+    assert "rollout estimate (paged engine)" in proc.stdout and "page table" in proc.stdout
+    bad, _ = _cli(tmp_path, *TINY, "--only", "rollout", "--prompt-lengths", "x")
+    assert bad.returncode == 2 and "--prompt-lengths 'x'" in bad.stderr
+
+
 def test_plan_reports_an_oversized_rollout_as_not_fitting(tmp_path):
     """32768 rows x 4095 cache slots of a float32 KV cache: 16 GiB per chip of
     cache alone, more than a v5e chip's 16 GiB less the margin (the TPU

@@ -60,7 +60,7 @@ from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
 from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, _logical_axes, pool_slots
 from erpo_jax.rollout.head import head_logits
-from erpo_jax.rollout.types import Rollout, SamplingConfig
+from erpo_jax.rollout.types import DecodeLoop, Rollout, SamplingConfig
 from erpo_jax.runtime import xla_options
 from erpo_jax.runtime.distributed import to_host
 
@@ -284,19 +284,52 @@ class PagedEngine(ContinuousEngine):
                     lambda: self._program("decode", R, P, n=n).lower(state, w, head, i32())))
         return out
 
+    HALF = " at half the pages"
+
+    def _half(self, P: int) -> PagedEngine | None:
+        """This engine with half the pages (for `erpo plan`: what XLA's count
+        of a decode step charges per page); None when half cannot hold one
+        sample."""
+        sc, ps = self.sampling, self.page_size
+        half = self.pages_per_shard(P) // 2
+        if half < -(-sc.max_prompt_len // ps) + own_pages(ps, sc.max_new_tokens):
+            return None
+        return PagedEngine(self.cfg, sc, self.sharding, self.slots, self.refill, ps,
+                           self.shards * half, self.attention)
+
+    def step_programs(self, params, num_prompts: int, longest_prompt: int,
+                      max_prompts: int = 0, brief: bool = False):
+        """The continuous engine's (`types.Engine.step_programs`), the decode
+        program with a second step compiled by itself at half the pages:
+        XLA's cost of the step charges the page array whole (the scatter
+        writing each slot's new entry, the kernel's operand), so the plan
+        takes that charge per page from the two and replaces it with what
+        the kernel copies (`plan_estimate`)."""
+        out = super().step_programs(params, num_prompts, longest_prompt, max_prompts, brief)
+        _, P = self.batch_shape(num_prompts, longest_prompt)
+        half = self._half(P)
+        key = f"decode {self.slots}"
+        if half is None:
+            return out
+        return [p._replace(loops=p.loops + (DecodeLoop(
+                    key + self.HALF, self.slots, p.loops[0].cache_length, None,
+                    lambda: half.lower_decode_step(params, num_prompts, longest_prompt),
+                    False),)) if p.part == key else p for p in out]
+
     def plan_estimate(self, lengths, num_prompts: int, longest_prompt: int, max_prompts: int,
                       run_ms, step_ms, kv_read_ms=None, prompt_lengths=None) -> dict | None:
         """`erpo plan`'s rollout time (`types.Engine.plan_estimate`): the paged
         `schedule` of these response lengths after prompts of prompt_lengths
         tokens (default: every prompt longest_prompt long). Each decode step
-        costs the compiled step (whose cost does not count the attention
-        kernel's reads: checked, it does not change with the page count)
-        plus kv_read_ms of what the kernel copies that step, counted from
-        the page book: ceil(held / page_size) pages of each live slot, each
-        page_size x (key + value) x KV heads x head size x layers, per chip
-        (slots over the data shards, heads over the tensor shards where
-        they divide). Inserts as the continuous engine's. Also the KV the
-        slots hold per step and the pages' share of it."""
+        costs the compiled step less XLA's charge for the page array (its
+        per-page cost from the step compiled at two page counts, times the
+        pages) plus kv_read_ms of what the kernel copies that step, counted
+        from the page book: ceil(held / page_size) pages of each live slot,
+        each page_size x (key + value) x KV heads x head size x layers, per
+        chip (slots over the data shards, heads over the tensor shards where
+        they divide). Inserts as the continuous engine's. Also a step's bytes
+        against the minimum, weights (`weights_bytes`) plus the KV the slots
+        hold, both per chip."""
         if kv_read_ms is None:
             return None
         B, P = self.batch_shape(num_prompts, longest_prompt)
@@ -305,15 +338,23 @@ class PagedEngine(ContinuousEngine):
                 else np.minimum(np.asarray(prompt_lengths), P))
         sched = schedule(lengths, plen, G, self.slots, self.shards, self.pages_per_shard(P),
                          self.page_size, self.sampling.max_new_tokens, self.refill)
-        step = step_ms(f"decode {self.slots}")
+        full = step_ms(f"decode {self.slots}")
         call = {q: run_ms(f"insert {q}") for q in self._query_buckets(B)}
-        if step is None or None in call.values():
+        if full is None or None in call.values():
             return None
+        pages, fewer = self.pages_per_shard(P), self._half(P)
+        half = None if fewer is None else step_ms(f"decode {self.slots}{self.HALF}")
+        per_page = (0.0 if half is None else
+                    max(0.0, (full - half) / (pages - fewer.pages_per_shard(P))))
+        base = max(0.0, full - per_page * pages)          # the step without its page array
         steps = max(sched["steps"], 1)
         entry = self.kv_entry_bytes()
         read = sched["entries_read"] * entry / steps        # per step, per chip
         held = sched["entries_held"] * entry / steps
-        decode = sched["steps"] * (step + kv_read_ms(read))
+        step = base + kv_read_ms(read)
+        decode = sched["steps"] * step
+        per_byte = kv_read_ms(1.0)
+        weights = self.weights_bytes()
         # Inserts: one per placement, at the smallest bucket holding its prompts.
         insert = sum(k * call[next(b for b in call if b >= q)]
                      for q, k in sched["inserts"].items())
@@ -324,8 +365,19 @@ class PagedEngine(ContinuousEngine):
                 "pages_per_shard": self.pages_per_shard(P), "peak_pages": sched["peak_pages"],
                 "page_size": self.page_size, "mean_prompt_length": float(plen.mean()),
                 "kv_read_per_step_bytes": read, "kv_held_per_step_bytes": held,
+                "step_ms": step, "step_xla_ms": full, "step_xla_ms_per_page": per_page,
+                "step_bytes": base / per_byte + read, "step_minimum_bytes": weights + held,
+                "step_ratio": (base / per_byte + read) / (weights + held),
                 "steps_by_size": {str(self.slots): sched["steps"]},
                 "inserts": {str(k): v for k, v in sched["inserts"].items()}}
+
+    def weights_bytes(self) -> float:
+        """The weights a decode step reads per chip, in the compute dtype: the
+        model over every chip of the mesh (the weight-stationary step reads
+        each chip's own shard)."""
+        chips = self.sharding.mesh.size if self.sharding is not None else 1
+        item = jnp.dtype(self.cfg.jnp_compute_dtype).itemsize
+        return self.cfg.num_params() * item / chips
 
     def kv_entry_bytes(self) -> float:
         """Bytes of one KV entry over all layers, per chip: key and value of

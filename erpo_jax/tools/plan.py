@@ -436,11 +436,18 @@ def rollout_estimate(report: dict, cfg, top: Topology, spec: str,
 
 
 def estimate_line(e: dict) -> str:
-    return (f"rollout estimate ({e['engine']} engine) on {e['samples']} responses of "
+    line = (f"rollout estimate ({e['engine']} engine) on {e['samples']} responses of "
             f"{e['lengths']} lengths (mean {e['mean_length']:.0f}, median "
             f"{e['median_length']:.0f}, {100 * e['truncated_frac']:.1f}% at the cap): "
             f"{e['decode_steps']:,} decode steps, slot utilisation "
             f"{100 * e['slot_utilization']:.0f}%, ~{e['estimated_ms'] / 1e3:.1f} s per RL step")
+    if "step_ratio" in e:   # an engine whose kernel's reads the compiler does not count
+        line += (f"; a decode step reads ~{e['step_bytes'] / 2**30:.2f} GiB/chip (the kernel's "
+                 f"{e['kv_read_per_step_bytes'] / 2**30:.2f} counted from the page table) "
+                 f"against {e['step_minimum_bytes'] / 2**30:.2f} GiB of weights and held KV: "
+                 f"{e['step_ratio']:.2f}x (prompts {e['mean_prompt_length']:.0f} tokens on "
+                 f"average)")
+    return line
 
 
 def _formula_gib(cfg, prog, top: Topology, mesh_shape, data_size: int) -> float | None:

@@ -140,7 +140,9 @@ class RolloutSection:
     # together until the longest ends), 'continuous' (a pool of decode slots,
     # each refilled by the next pending sample when its sample ends; the same
     # samples for the same key, to float rounding: a draw can flip where
-    # rounding moves it across a token boundary) or 'auto': continuous on the real path
+    # rounding moves it across a token boundary), 'paged' (the continuous pool
+    # over a KV cache in pages; rollout.page_size, kv_pages, paged_attention)
+    # or 'auto': continuous on the real path
     # (data.task=jsonl), whose response lengths vary, static on the embedded
     # arithmetic task (`rollout.engine.engine_name`). README "Choosing a rollout engine".
     engine: str = "auto"
@@ -150,14 +152,16 @@ class RolloutSection:
     # refill them (0: slots / 16, at least 1).
     slots: int = 0
     refill: int = 0
-    # The paged engine's KV pages: entries per page (a power of two; a
-    # multiple of 8 on TPU), pages over all data shards (0: every slot's
-    # longest prompt and response, the continuous engine's memory; fewer:
-    # inserting waits for pages), and its decode attention: 'auto' (jax's
-    # Pallas ragged paged attention kernel on TPU, the pure-JAX path
-    # elsewhere), 'kernel' or 'dense' (rollout.paged, model.paged_attention).
+    # The paged engine's KV entries per page (a power of two; a multiple of 8
+    # on TPU).
     page_size: int = 16
+    # The paged engine's pages over all data shards (0: every slot's longest
+    # prompt and response, the continuous engine's memory; fewer: inserting
+    # waits for pages to free).
     kv_pages: int = 0
+    # The paged engine's decode attention: 'auto' (jax's Pallas ragged paged
+    # attention kernel on TPU where the head size is a multiple of 128, the
+    # pure-JAX path elsewhere), 'kernel' or 'dense' (model.paged_attention).
     paged_attention: str = "auto"
 
 

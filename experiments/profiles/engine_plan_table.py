@@ -1,5 +1,8 @@
 """BENCHMARKS.md "Session 16" tables from `erpo plan --only rollout --json`
-reports of the two rollout engines (experiments/results/plan/engines/).
+reports of the rollout engines (experiments/results/plan/engines/). The
+paged engine's decode step: XLA's bytes less its charge for the page array,
+plus the pages the kernel copies, counted from the page table (its
+`rollout_estimate`), against weights plus the KV the slots hold.
 
     .venv/bin/python experiments/profiles/engine_plan_table.py experiments/results/plan/engines/*.json
 """
@@ -22,9 +25,12 @@ def main(paths: list[str]) -> None:
         e = r["rollout_estimate"]
         peak = max(p["peak_gib"] for p in r["programs"])
         step = next(p["decode_step"] for p in r["programs"] if "decode_step" in p)
+        nbytes, ratio = step["bytes_accessed"], step["ratio"]
+        if "step_ratio" in e:   # the kernel's reads, from the page table
+            nbytes, ratio = e["step_bytes"], e["step_ratio"]
         print(f"| {r['config']} | {r['topology']} | {e['engine']} | {e['decode_steps']:,} "
               f"| {100 * e['slot_utilization']:.0f}% | {e['estimated_ms'] / 1e3:.1f} "
-              f"| {peak:.2f} | {step['bytes_accessed'] / GIB:.2f} ({step['ratio']:.2f}x) |")
+              f"| {peak:.2f} | {nbytes / GIB:.2f} ({ratio:.2f}x) |")
     print()
     print("| config | topology | program | peak GiB/chip | est. ms per call (per step for "
           "a decode) | compile s |")
