@@ -849,7 +849,9 @@ def slip_stabilizer_wall_table() -> list[str]:
     mods = [("slip_grid", "stability grid (new cells, 3 seeds)"),
             ("slip_stabilizer_tuning_v1", "stabilizer tuning, the first grid of the rows "
              "issue 47 re-tuned (2 seeds)"),
-            ("slip_stabilizer_tuning", "stabilizer tuning on validation (2 seeds)")]
+            ("slip_stabilizer_tuning", "stabilizer tuning on validation (2 seeds)"),
+            ("slip_stabilizers_v1", "stabilizer comparison, issue 35's runs of the rows "
+             "issue 47 re-ran (5 seeds)")]
     sweeps = [(label, _all_runs(exp)) for exp, label in mods]
     for setting, by in _stabilizer_settings():
         n = len({r["config"]["train"]["seed"] for rs in by.values() for r in rs})
