@@ -29,7 +29,7 @@ def test_bench_test_mode_produces_every_field(tmp_path):
     rows = res["sampler"]["rows"]
     assert rows and all(x["jax_kv_cache"] > 0 and x["jax_no_cache"] > 0 for x in rows)
     e = res["engines"]
-    assert e["same_samples"] and set(e["engines"]) == {"static", "continuous"}
+    assert e["same_samples"] and set(e["engines"]) == {"static", "continuous", "paged"}
     assert all(x["decode_steps"] > 0 and 0 < x["slot_utilization"] <= 1 and x["wall_s"] > 0
                for x in e["engines"].values())
     (rl,) = res["rl_iteration"]

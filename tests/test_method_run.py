@@ -187,5 +187,15 @@ def test_inspect_grads_builds_exactly_the_batch_the_trainer_trained_on(sft_model
             continue
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
     assert np.asarray(want.advantages).any()
-    rep = inspect_run(cfg, str(policy), reference=str(sft_model), step=step, queries=2)
+    # The report covers the first groups up to one with signal (which groups
+    # dynamic sampling's filler takes depends on the draws); fewer is refused.
+    G = cfg.rollout.group_size
+    signal = np.asarray(want.response_mask).reshape(-1, G * want.response_mask.shape[1]).any(1)
+    queries = int(np.argmax(signal)) + 1
+    if queries > 1:
+        with pytest.raises(ValueError, match="filler .*raise --queries"):
+            inspect_run(cfg, str(policy), reference=str(sft_model), step=step,
+                        queries=queries - 1)
+    rep = inspect_run(cfg, str(policy), reference=str(sft_model), step=step,
+                      queries=max(2, queries))
     assert f"step-{step} batch" in rep["source"]["batch"]
