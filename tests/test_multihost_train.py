@@ -81,14 +81,19 @@ def test_two_process_training_matches_one_process(sft_model, tmp_path):
     # After the first update. Adam's first step is lr * g / |g| per element, so an
     # element whose true gradient is at rounding level may step either way; with a
     # real gradient those are few, and what follows agrees to within 0.5% (measured:
-    # under 0.1%). A layout bug (a wrong data split, a gradient counted twice or
-    # not reduced) moves these by far more, and grad_norm above by a factor.
+    # under 0.1%); the k1 drift, a mean of log-prob differences about 0.0035 at
+    # step 1, to within 2% (measured 0.62% on the 2-core host, with the same
+    # numbers at the code of 2026-12-06 and after the rollout split). A layout
+    # bug (a wrong data split, a gradient counted twice or not reduced) moves
+    # these by far more, and grad_norm above by a factor.
     for key in AFTER:
-        assert got[0][key] == pytest.approx(want[0][key], rel=5e-3), key
+        rel = 2e-2 if key == "drift/qkl_k1" else 5e-3
+        assert got[0][key] == pytest.approx(want[0][key], rel=rel), key
     for key in (*BEFORE, *AFTER):
         if key == "loss":   # pg_loss + beta_query * query_kl, nearly cancelling by step 2:
             continue        # its terms are held to 0.5% each, the sum to that of its terms
-        assert got[1][key] == pytest.approx(want[1][key], rel=5e-3, abs=1e-7), key
+        rel = 2e-2 if key == "drift/qkl_k1" else 5e-3
+        assert got[1][key] == pytest.approx(want[1][key], rel=rel, abs=1e-7), key
     terms = abs(want[1]["pg_loss"]) + 0.1 * abs(want[1]["query_kl"])
     assert got[1]["loss"] == pytest.approx(want[1]["loss"], abs=5e-3 * terms + 1e-7)
     # The single files exist once, written by process 0; checkpoints were saved.
