@@ -171,7 +171,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array,
     if sharding is None or sharding.mesh.size == 1:
         return local(q, k, v, kv_pages, page_table, kv_lens, live)
     from jax.sharding import PartitionSpec as P
-    rows, heads = _axes(sharding, kv_pages.shape[2] // 2)
+    rows, heads = shard_axes(sharding, kv_pages.shape[2] // 2)
     qs, ps_ = P(rows, heads, None), P(rows, None, heads, None)
     return jax.shard_map(local, mesh=sharding.mesh,
                          in_specs=(qs, qs, qs, ps_, P(rows, None), P(rows), P(rows)),
@@ -179,7 +179,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: jax.Array,
         q, k, v, kv_pages, page_table, kv_lens, live)
 
 
-def _axes(sharding: Sharding, Nk: int):
+def shard_axes(sharding: Sharding, Nk: int):
     """The mesh axes of slots (and pages) and of heads inside the shard_map."""
     rows = sharding.spec(("rows",))[0]
     heads = sharding.spec(("act_kv_heads",))[0]
@@ -191,7 +191,7 @@ def _axes(sharding: Sharding, Nk: int):
 def _sharded(impl, q, kv_pages, page_table, kv_lens, sharding: Sharding):
     from jax.sharding import PartitionSpec as P
     mesh = sharding.mesh
-    rows, heads = _axes(sharding, kv_pages.shape[2] // 2)
+    rows, heads = shard_axes(sharding, kv_pages.shape[2] // 2)
     fn = _local(impl, sharding, q.shape[0] // sharding.data_size, page_table.shape[1],
                 q.shape[-1])
     specs = (P(rows, heads, None), P(rows, None, heads, None), P(rows, None), P(rows))

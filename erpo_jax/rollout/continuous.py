@@ -158,14 +158,14 @@ def _hit_eos(tok: jax.Array, sc: SamplingConfig) -> jax.Array:
     return jnp.isin(tok, jnp.array(sc.eos_ids, jnp.int32))
 
 
-def _logical_axes(state_like: PoolState) -> PoolState:
-    """The logical axes of every PoolState leaf (None: replicated)."""
-    L = len(state_like.cache.k)
+def _logical_axes(state_like: PoolState, cache_axes) -> PoolState:
+    """The logical axes of every PoolState leaf (None: replicated), the
+    cache's being `cache_axes`."""
+    L = len(state_like.stash.k)
     slot1, slot2 = ("batch",), ("batch", None)
     rep = lambda nd: (None,) * nd
     return PoolState(
-        cache=model_lib.KVCache((model_lib.K_CACHE_AXES,) * L, (model_lib.V_CACHE_AXES,) * L,
-                                ("rows", "cache_length"), ()),
+        cache=cache_axes,
         last=slot1, positions=slot1, t=slot1, live=slot1, sample=slot1, keys=slot1,
         uniforms=slot2,
         stash=Stash((rep(4),) * L, (rep(4),) * L, rep(2), rep(2), rep(1)),
@@ -234,9 +234,15 @@ class ContinuousEngine:
     def _state_shardings(self, like: PoolState):
         if self.sharding is None:
             return None
-        return jax.tree_util.tree_map(lambda ax: self.sharding.named(ax), _logical_axes(like),
+        axes = _logical_axes(like, self._cache_axes(self.cfg.num_layers))
+        return jax.tree_util.tree_map(lambda ax: self.sharding.named(ax), axes,
                                       is_leaf=lambda x: isinstance(x, tuple) and all(
                                           a is None or isinstance(a, str) for a in x))
+
+    def _cache_axes(self, L: int) -> model_lib.KVCache:
+        """The logical axes of the pool's cache (L layers)."""
+        return model_lib.KVCache((model_lib.K_CACHE_AXES,) * L, (model_lib.V_CACHE_AXES,) * L,
+                                 ("rows", "cache_length"), ())
 
     def _query_buckets(self, num_prompts: int) -> list[int]:
         """Prompt counts an insert is compiled for: 0, then the data-parallel

@@ -58,7 +58,7 @@ from erpo_jax.model import model as model_lib
 from erpo_jax.model import paged_attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
-from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, _logical_axes, pool_slots
+from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, pool_slots
 from erpo_jax.rollout.head import head_logits
 from erpo_jax.rollout.types import DecodeLoop, Rollout, SamplingConfig
 from erpo_jax.runtime import xla_options
@@ -101,7 +101,7 @@ class PagedEngine(ContinuousEngine):
                  sharding: Sharding | None = None, slots: int = 0, refill: int = 0,
                  page_size: int = 16, kv_pages: int = 0, attention: str = "auto"):
         super().__init__(cfg, sampling, sharding, slots, refill)
-        check_pages(page_size, kv_pages, self.slots, sampling, sharding)
+        check_pages(page_size, kv_pages, sampling, sharding)
         paged_attention.resolve_impl(attention, sharding, cfg.head_dim)
         self.page_size, self.kv_pages, self.attention = page_size, kv_pages, attention
         self.last_pages: dict = {}
@@ -163,17 +163,11 @@ class PagedEngine(ContinuousEngine):
         return PagedCache(pages, jnp.zeros((n, self.pages_per_slot(P)), jnp.int32),
                           jnp.zeros((n,), jnp.int32))
 
-    def _state_shardings(self, like: PoolState):
-        if self.sharding is None:
-            return None
-        axes = _logical_axes(dataclasses.replace(
-            like, cache=model_lib.KVCache(like.cache.pages, like.cache.pages, None, None)))
-        L = len(like.cache.pages)
-        axes = dataclasses.replace(axes, cache=PagedCache(
-            (("rows", None, "act_kv_heads", None),) * L, ("batch", None), ("batch",)))
-        is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str)
-                                                        for a in x)
-        return jax.tree_util.tree_map(lambda ax: self.sharding.named(ax), axes, is_leaf=is_axes)
+    def _cache_axes(self, L: int) -> PagedCache:
+        """Pages over the data shards (heads over the tensor axis), page
+        tables and lengths with their slots."""
+        return PagedCache((("rows", None, "act_kv_heads", None),) * L, ("batch", None),
+                          ("batch",))
 
     # ------------------------------------------------------------------ programs
 
@@ -186,7 +180,7 @@ class PagedEngine(ContinuousEngine):
         if sh is None or sh.mesh.size == 1:
             return write(pages, blocks, ids)
         from jax.sharding import PartitionSpec as PS
-        rows, heads = paged_attention._axes(sh, pages.shape[2] // 2)
+        rows, heads = paged_attention.shard_axes(sh, pages.shape[2] // 2)
         spec = PS(rows, None, heads, None)
         return jax.shard_map(write, mesh=sh.mesh, in_specs=(spec, spec, PS(rows)),
                              out_specs=spec, check_vma=False)(pages, blocks, ids)
@@ -492,7 +486,7 @@ def check_page_size(page_size: int) -> None:
                          "1024, so that it divides the cache's length (e.g. 16).")
 
 
-def check_pages(page_size: int, kv_pages: int, slots: int, sc: SamplingConfig,
+def check_pages(page_size: int, kv_pages: int, sc: SamplingConfig,
                 sharding: Sharding | None) -> None:
     """One sentence per bad page setting, before anything compiles."""
     check_page_size(page_size)

@@ -370,15 +370,14 @@ def _validate_ranges(cfg: RunConfig) -> None:
         if getattr(r, name) < 0:
             _fail(f"rollout.{name}", f"must be >= 0 (0 = automatic), got {getattr(r, name)}.")
     if engine_name(cfg) == "paged":
-        from erpo_jax.model.paged_attention import IMPLS
+        from erpo_jax.model.paged_attention import resolve_impl
         from erpo_jax.rollout.paged import check_page_size
-        try:
-            check_page_size(r.page_size)
-        except ValueError as e:
-            _fail("rollout.page_size", str(e).split("rollout.page_size ", 1)[1])
-        if r.paged_attention not in IMPLS:
-            _fail("rollout.paged_attention", f"is {r.paged_attention!r}; choose one of "
-                  f"{', '.join(map(repr, IMPLS))}.")
+        for name, check in (("page_size", lambda: check_page_size(r.page_size)),
+                            ("paged_attention", lambda: resolve_impl(r.paged_attention, None))):
+            try:
+                check()
+            except ValueError as e:
+                _fail(f"rollout.{name}", str(e).split(f"rollout.{name} ", 1)[1])
     if r.cache_phases < 1:
         _fail("rollout.cache_phases", f"must be >= 1 (1 = the whole cache from the start), "
               f"got {r.cache_phases}.")
