@@ -254,3 +254,30 @@ def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):
     engine._programs.clear()
     monkeypatch.setattr(Sharding, "weight_stationary", lambda self: self)
     assert sum(n >= smallest_matrix for n in gathered()) >= 4 * CFG.num_layers
+
+
+def test_auto_picks_paged_where_its_attention_is_the_tpu_kernel():
+    """rollout.engine=auto: on the real path the paged engine on a TPU mesh
+    whose model the Pallas kernel serves (head size a multiple of 128), the
+    continuous engine on the CPU, on a TPU with another head size, or with
+    the kernel turned off; the static engine on the arithmetic task."""
+    import dataclasses
+
+    from erpo_jax.rollout.engine import engine_name
+    from erpo_jax.tools import plan as plan_lib
+    from erpo_jax.train.config import RunConfig, apply_overrides
+    if plan_lib.libtpu_missing() is not None:
+        pytest.skip(plan_lib.libtpu_missing())
+    tpu = Sharding(make_mesh((4, 1, 1), plan_lib.topology("v5e-4").devices()))
+    qwen = dataclasses.replace(CFG, head_dim=128)
+    assert qwen.head_dim == 128 and CFG.head_dim % 128
+    real = apply_overrides(RunConfig(), ["data.task=jsonl"])
+    assert engine_name(real, tpu, qwen) == "paged"
+    assert engine_name(real, tpu) == "paged"
+    assert engine_name(real, None, qwen) == "continuous"         # this CPU host
+    assert engine_name(real, tpu, CFG) == "continuous"
+    dense = apply_overrides(RunConfig(), ["data.task=jsonl", "rollout.paged_attention=dense"])
+    assert engine_name(dense, tpu, qwen) == "continuous"
+    assert engine_name(RunConfig(), tpu, qwen) == "static"
+    chosen = apply_overrides(RunConfig(), ["data.task=jsonl", "rollout.engine=continuous"])
+    assert engine_name(chosen, tpu, qwen) == "continuous"

@@ -7,7 +7,6 @@ pages waits instead of failing; the bad page settings it refuses."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

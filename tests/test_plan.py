@@ -136,10 +136,10 @@ def test_plan_estimates_both_rollout_engines_on_a_length_distribution(tmp_path):
 
 
 def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
-    """The paged engine's programs compile for v5e-4 (its inserts, its decode
-    loop and one step at half the pages); the estimate replays its schedule
-    on drawn response and prompt lengths, takes XLA's per-page charge of a
-    step from the two page counts and adds the pages the page table names."""
+    """The paged engine's programs compile for v5e-4 (its inserts and its
+    decode loop); the estimate replays its schedule on drawn response and
+    prompt lengths and adds the pages the page table names to the compiled
+    step's HBM bytes."""
     from erpo_jax.rollout.paged import schedule
     spec, prompts = "lognormal:4:0.8", "lognormal:6:0.3"
     proc, rep = _cli(tmp_path, *TINY, "rollout.engine=paged", "rollout.slots=4",
@@ -158,6 +158,14 @@ def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
     assert est["mean_prompt_length"] == pytest.approx(plen.mean())
     assert est["kv_read_per_step_bytes"] >= est["kv_held_per_step_bytes"] > 0
     assert 0 < est["step_ms"] and est["step_ratio"] > 0
+    step = by["rollout decode 4"]
+    assert "decode_step" not in step      # its traffic is the estimate's, not the whole cache's
+    tpu = rep["tpu"]
+    if step["step_bytes_accessed"] / tpu["hbm_bytes_per_s"] >= step["step_flops"] / tpu["peak_flops"]:
+        assert est["step_bytes"] == pytest.approx(
+            step["step_bytes_accessed"] + est["kv_read_per_step_bytes"], rel=1e-6)
+    else:   # a compute-bound step: its time in bytes is more than it reads
+        assert est["step_bytes"] > step["step_bytes_accessed"] + est["kv_read_per_step_bytes"]
     assert "rollout estimate (paged engine)" in proc.stdout and "page table" in proc.stdout
     bad, _ = _cli(tmp_path, *TINY, "--only", "rollout", "--prompt-lengths", "x")
     assert bad.returncode == 2 and "--prompt-lengths 'x'" in bad.stderr

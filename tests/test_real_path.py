@@ -244,18 +244,19 @@ def test_sft_answers_in_boxed_and_exported_policy_matches_transformers(real_path
             assert rewards.sum() > 0, texts
 
 
-def test_continuous_engine_equals_static_on_the_chat_checkpoint(real_path):
+def test_continuous_and_paged_engines_equal_static_on_the_chat_checkpoint(real_path):
     """The SFT'd Qwen2-architecture checkpoint, chat-templated word problems,
     4 samples each at temperature 1 (responses end at EOS after their boxed
     answer, or run to max_new_tokens): the continuous engine draws the static
     engine's samples with pools smaller than, equal to and larger than G,
-    none dividing the 32 samples. (The RL runs above used it: data.task=jsonl
+    none dividing the 32 samples, and so does the paged engine. (The RL runs above used it: data.task=jsonl
     resolves rollout.engine=auto to continuous.)"""
     import jax
 
     from engine_checks import assert_same_samples
     from erpo_jax.model.hf import load_hf
     from erpo_jax.rollout.continuous import ContinuousEngine
+    from erpo_jax.rollout.paged import PagedEngine
     from erpo_jax.rollout.static import StaticEngine
     from erpo_jax.rollout.types import SamplingConfig
     from erpo_jax.train.tasks import load_tokenizer
@@ -272,6 +273,11 @@ def test_continuous_engine_equals_static_on_the_chat_checkpoint(real_path):
     for slots in (3, 4, 7):
         got = ContinuousEngine(cfg, sc, slots=slots).sample(params, prompts, key)
         assert_same_samples(want, got, f"slots={slots}")
+    # The paged engine: prompts of several lengths in pages of 16 shared by
+    # their 4 samples, pools smaller and larger than G.
+    for slots in (3, 7):
+        got = PagedEngine(cfg, sc, slots=slots, page_size=16).sample(params, prompts, key)
+        assert_same_samples(want, got, f"paged slots={slots}")
     assert real_path["runs"]["erpo"]["metrics"][-1]["rollout/slot_utilization"] > 0
 
 

@@ -112,3 +112,45 @@ def test_a_registered_policy_loss_is_a_cli_choice_and_in_the_header(probe_pg_los
     assert _parser().parse_args(["inspect-grads", "--pg-loss", "probe_pg"]).pg_loss == "probe_pg"
     line = describe(RunConfig(loss=LossConfig(pg_loss="probe_pg")))
     assert "pg_loss=probe_pg" in line, line
+
+
+def test_a_registered_rollout_correction_is_a_config_choice_and_masks_the_pg_term():
+    """`loss.rollout_correction` reads its registry: an entry registered for
+    one test is accepted by the config, named in the header, and its mask is
+    what the PG term keeps (this one drops the second half of each response);
+    Query-KL is unchanged by it."""
+    import jax
+    import numpy as np
+
+    from erpo_jax.rl.loss import loss_terms, stats_from_logits
+    from erpo_jax.rl.rollout_correction import (ROLLOUT_CORRECTIONS, RolloutCorrection,
+                                                register_rollout_correction)
+    from test_loss import TEMP, toy_batch
+
+    def first_half(cfg, log_ratio, rm):
+        pos = jnp.cumsum(rm, axis=-1)
+        return pos <= (jnp.sum(rm, axis=-1, keepdims=True) + 1) // 2
+
+    with pytest.raises(ValueError, match=r"rollout_correction is 'first_half'; choose one of "
+                                         r"\['none', 'sequence_mask', 'token_mask'\]"):
+        LossConfig(rollout_correction="first_half")
+    register_rollout_correction(RolloutCorrection("first_half", first_half, "probe"))
+    try:
+        cfg = LossConfig(rollout_correction="first_half", beta_query=0.5)
+        assert "rollout_correction=first_half" in describe(RunConfig(loss=cfg))
+        logits, batch = toy_batch(seed=1, B=2, G=3, R=6)
+        st = stats_from_logits(logits, batch.tokens[:, 1:], TEMP)
+        rm = np.asarray(batch.response_mask)
+        keep = rm & np.asarray(first_half(cfg, None, jnp.asarray(rm)))
+        assert 0 < keep.sum() < rm.sum()
+
+        def grads(c):
+            return {k: np.asarray(jax.grad(lambda lp: loss_terms(st._replace(logp=lp), batch,
+                                                                 c)[0][k])(st.logp))
+                    for k in ("pg", "query_kl")}
+        g, g0 = grads(cfg), grads(dataclasses.replace(cfg, rollout_correction="none"))
+        assert np.all(g["pg"][rm & ~keep] == 0) and np.any(g0["pg"][rm & ~keep] != 0)
+        np.testing.assert_array_equal(g["pg"][keep], g0["pg"][keep])
+        np.testing.assert_array_equal(g["query_kl"], g0["query_kl"])
+    finally:
+        del ROLLOUT_CORRECTIONS["first_half"]

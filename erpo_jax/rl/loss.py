@@ -45,7 +45,7 @@ from erpo_jax.rl.query_kl import check_loss_estimator
 # TERMS: the registered terms, name -> Term, in their order (the loss's dict,
 # the update's shares, the inspector's rows); re-exported here.
 from erpo_jax.rl.terms import AGG_MODES, TERMS, LossInputs, aggregate  # noqa: F401
-from erpo_jax.rl.terms.pg import ROLLOUT_CORRECTIONS
+from erpo_jax.rl.rollout_correction import ROLLOUT_CORRECTIONS
 
 POLICY_KL_MODES = ("loss", "reward")
 
@@ -192,7 +192,7 @@ class LossConfig:
                                  "coefficient.")
         if self.rollout_correction not in ROLLOUT_CORRECTIONS:
             raise ValueError(f"LossConfig.rollout_correction is {self.rollout_correction!r}; "
-                             f"choose one of {ROLLOUT_CORRECTIONS}.")
+                             f"choose one of {sorted(ROLLOUT_CORRECTIONS)}.")
         lo, hi = self.rollout_correction_low, self.rollout_correction_high
         if not lo < hi:
             raise ValueError(f"LossConfig.rollout_correction_low is {lo}, not below "

@@ -412,8 +412,6 @@ class ContinuousEngine:
         return w, head
 
     def _make_insert(self, R, P, per_call, Q, n):
-        cfg, sc, sh = self.cfg, self.sampling, self.sharding
-        N, plat = sc.max_new_tokens, platform_of(self.sharding)
         c = self._constrain
 
         def insert(s: PoolState, params, head, tokens, mask, src, sample, keep):
@@ -504,7 +502,7 @@ class ContinuousEngine:
     def _step(self, R: int, P: int, n: int):
         """One decode step of a pool of n slots: step(params, head, state)."""
         cfg, sc, sh = self.cfg, self.sampling, self.sharding
-        N, plat = sc.max_new_tokens, platform_of(self.sharding)
+        N = sc.max_new_tokens
         stationary = None if sh is None else sh.weight_stationary()
 
         def step(params, head, s: PoolState) -> PoolState:
@@ -682,7 +680,7 @@ class ContinuousEngine:
         tokens, mask, B = self.prepare(prompts)
         Bp, P = tokens.shape
         sc, n = self.sampling, self.slots
-        G, N = sc.num_samples, sc.max_new_tokens
+        G = sc.num_samples
         R, real = Bp * G, B * G
         per_call = max_prompts if 0 < max_prompts < B else 0
         state = self._program("start", R, P, per_call)(rng)

@@ -46,16 +46,30 @@ ENGINES: dict[str, type] = {"static": StaticEngine, "continuous": ContinuousEngi
 PURPOSES = ("rollout", "eval greedy", "eval sampled")
 
 
-def engine_name(cfg) -> str:
+def engine_name(cfg, sharding: Sharding | None = None, model_cfg: ModelConfig | None = None
+                ) -> str:
     """The rollout engine a run of `cfg` (a RunConfig) uses: rollout.engine,
-    where 'auto' is 'continuous' on the real path (data.task=jsonl:
-    chat-templated prompts, responses of every length) and 'static' on the
-    embedded arithmetic task, whose answers have nearly equal lengths
-    (experiments/BENCHMARKS.md, "Rollout engines")."""
+    where 'auto' is, on the real path (data.task=jsonl: chat-templated
+    prompts, responses of every length), 'paged' where its attention is the
+    Pallas TPU kernel (a TPU mesh, the head size a multiple of 128:
+    `paged_attention.resolve_impl`), which reads only the pages a slot holds
+    (`erpo plan`: about 0.4x the continuous engine's decode step on the 1.5B
+    v4-8 and 7B v5p-8 configs, experiments/BENCHMARKS.md, session 18), and
+    'continuous' elsewhere (the CPU and GPU, where the paged engine's pure-JAX
+    attention gathers whole page tables: 2.9x the continuous engine's wall on
+    the CPU bench); and 'static' on the embedded arithmetic task, whose
+    answers have nearly equal lengths. sharding: the mesh it runs on (None:
+    JAX's default backend); model_cfg: the model (None: a head size the
+    kernel serves)."""
     e = cfg.rollout.engine
     if e != "auto":
         return e
-    return "continuous" if cfg.data.task == "jsonl" else "static"
+    if cfg.data.task != "jsonl":
+        return "static"
+    from erpo_jax.model.paged_attention import resolve_impl
+    head = None if model_cfg is None else model_cfg.head_dim
+    kernel = resolve_impl(cfg.rollout.paged_attention, sharding, head) == "kernel"
+    return "paged" if kernel else "continuous"
 
 
 def _engine_class(name: str) -> type:
@@ -89,7 +103,7 @@ def make_engine(name: str, cfg: ModelConfig, sampling: SamplingConfig,
 def engine_for(cfg, model_cfg: ModelConfig, purpose: str, eos_ids: Sequence[int], pad_id: int,
                sharding: Sharding | None = None) -> Engine | None:
     """The engine a run of `cfg` (a RunConfig) samples with for `purpose`, of
-    the run's `rollout.engine` (`engine_name`):
+    the run's `rollout.engine` (`engine_name` on this mesh and model):
 
       'rollout'       the RL step's groups: rollout.group_size samples per
                       prompt at rollout.temperature / top_p / top_k, at least
@@ -118,4 +132,5 @@ def engine_for(cfg, model_cfg: ModelConfig, purpose: str, eos_ids: Sequence[int]
     else:
         raise ValueError(f"engine_for: purpose {purpose!r} is not one of {PURPOSES}.")
     rows = (r.max_prompts_per_call or t.batch_size) * sampling.num_samples
-    return _engine_class(engine_name(cfg)).from_config(model_cfg, sampling, sharding, r, rows)
+    name = engine_name(cfg, sharding, model_cfg)
+    return _engine_class(name).from_config(model_cfg, sampling, sharding, r, rows)

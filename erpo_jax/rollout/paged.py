@@ -60,7 +60,7 @@ from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
 from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, pool_slots
 from erpo_jax.rollout.head import head_logits
-from erpo_jax.rollout.types import DecodeLoop, Rollout, SamplingConfig
+from erpo_jax.rollout.types import Rollout, SamplingConfig
 from erpo_jax.runtime import xla_options
 from erpo_jax.runtime.distributed import to_host
 
@@ -278,47 +278,25 @@ class PagedEngine(ContinuousEngine):
                     lambda: self._program("decode", R, P, n=n).lower(state, w, head, i32())))
         return out
 
-    HALF = " at half the pages"
-
-    def _half(self, P: int) -> PagedEngine | None:
-        """This engine with half the pages (for `erpo plan`: what XLA's count
-        of a decode step charges per page); None when half cannot hold one
-        sample."""
-        sc, ps = self.sampling, self.page_size
-        half = self.pages_per_shard(P) // 2
-        if half < -(-sc.max_prompt_len // ps) + own_pages(ps, sc.max_new_tokens):
-            return None
-        return PagedEngine(self.cfg, sc, self.sharding, self.slots, self.refill, ps,
-                           self.shards * half, self.attention)
-
     def step_programs(self, params, num_prompts: int, longest_prompt: int,
                       max_prompts: int = 0, brief: bool = False):
-        """The continuous engine's (`types.Engine.step_programs`), the decode
-        program with a second step compiled by itself at half the pages:
-        XLA's cost of the step charges the page array whole (the scatter
-        writing each slot's new entry, the kernel's operand), so the plan
-        takes that charge per page from the two and replaces it with what
-        the kernel copies (`plan_estimate`)."""
+        """The continuous engine's (`types.Engine.step_programs`), its decode
+        loop not the one `erpo plan` reports a step's traffic for against the
+        whole cache: the compiled step leaves the kernel's reads out
+        (`tools.hbm.paged_kernel_pages`), and `plan_estimate` adds them from
+        the page book and sets them against the KV the slots hold."""
         out = super().step_programs(params, num_prompts, longest_prompt, max_prompts, brief)
-        _, P = self.batch_shape(num_prompts, longest_prompt)
-        half = self._half(P)
-        key = f"decode {self.slots}"
-        if half is None:
-            return out
-        return [p._replace(loops=p.loops + (DecodeLoop(
-                    key + self.HALF, self.slots, p.loops[0].cache_length, None,
-                    lambda: half.lower_decode_step(params, num_prompts, longest_prompt),
-                    False),)) if p.part == key else p for p in out]
+        return [p._replace(loops=tuple(x._replace(full=False) for x in p.loops)) for p in out]
 
     def plan_estimate(self, lengths, num_prompts: int, longest_prompt: int, max_prompts: int,
                       run_ms, step_ms, kv_read_ms=None, prompt_lengths=None) -> dict | None:
         """`erpo plan`'s rollout time (`types.Engine.plan_estimate`): the paged
         `schedule` of these response lengths after prompts of prompt_lengths
         tokens (default: every prompt longest_prompt long). Each decode step
-        costs the compiled step less XLA's charge for the page array (its
-        per-page cost from the step compiled at two page counts, times the
-        pages) plus kv_read_ms of what the kernel copies that step, counted
-        from the page book: ceil(held / page_size) pages of each live slot,
+        costs the compiled step (whose count of HBM bytes leaves the
+        kernel's page pool out, `tools.hbm.paged_kernel_pages`) plus
+        kv_read_ms of what the kernel copies that step, counted from the
+        page book: ceil(held / page_size) pages of each live slot,
         each page_size x (key + value) x KV heads x head size x layers, per
         chip (slots over the data shards, heads over the tensor shards where
         they divide). Inserts as the continuous engine's. Also a step's bytes
@@ -336,16 +314,11 @@ class PagedEngine(ContinuousEngine):
         call = {q: run_ms(f"insert {q}") for q in self._query_buckets(B)}
         if full is None or None in call.values():
             return None
-        pages, fewer = self.pages_per_shard(P), self._half(P)
-        half = None if fewer is None else step_ms(f"decode {self.slots}{self.HALF}")
-        per_page = (0.0 if half is None else
-                    max(0.0, (full - half) / (pages - fewer.pages_per_shard(P))))
-        base = max(0.0, full - per_page * pages)          # the step without its page array
         steps = max(sched["steps"], 1)
         entry = self.kv_entry_bytes()
         read = sched["entries_read"] * entry / steps        # per step, per chip
         held = sched["entries_held"] * entry / steps
-        step = base + kv_read_ms(read)
+        step = full + kv_read_ms(read)
         decode = sched["steps"] * step
         per_byte = kv_read_ms(1.0)
         weights = self.weights_bytes()
@@ -359,9 +332,9 @@ class PagedEngine(ContinuousEngine):
                 "pages_per_shard": self.pages_per_shard(P), "peak_pages": sched["peak_pages"],
                 "page_size": self.page_size, "mean_prompt_length": float(plen.mean()),
                 "kv_read_per_step_bytes": read, "kv_held_per_step_bytes": held,
-                "step_ms": step, "step_xla_ms": full, "step_xla_ms_per_page": per_page,
-                "step_bytes": base / per_byte + read, "step_minimum_bytes": weights + held,
-                "step_ratio": (base / per_byte + read) / (weights + held),
+                "step_ms": step, "step_compiled_ms": full,
+                "step_bytes": full / per_byte + read, "step_minimum_bytes": weights + held,
+                "step_ratio": (full / per_byte + read) / (weights + held),
                 "steps_by_size": {str(self.slots): sched["steps"]},
                 "inserts": {str(k): v for k, v in sched["inserts"].items()}}
 

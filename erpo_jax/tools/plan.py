@@ -14,8 +14,17 @@ multi-host topology compiles as the one SPMD program over all chips that
 Per program and per chip it reports the compiler's memory analysis
 (arguments, outputs, temporaries, aliased (donated) bytes, generated code),
 the peak = arguments + outputs - aliased + temporaries + code against the
-chip's HBM less a stated margin, the compiler's FLOPs and bytes accessed, and
-a roofline time estimate max(FLOPs / peak FLOP/s, bytes / HBM bandwidth).
+chip's HBM less a stated margin, the compiler's FLOPs, the bytes it moves to
+and from HBM, and a roofline time estimate max(FLOPs / peak FLOP/s, bytes /
+HBM bandwidth).
+
+Bytes are HBM traffic counted from the compiled program's own placement
+(`tools.hbm`: each top-level instruction's operands and results in HBM, once),
+reported as `hbm_bytes` and used as `bytes_accessed`. XLA's "bytes accessed"
+(kept as `xla_bytes_accessed`) also counts on-chip VMEM traffic: the TPU
+compiler stages a decode step's weights into VMEM and that count then charges
+each weight about 5 times (issue 48), so it overstated a decode step by ~3
+GiB per chip on the 1.5B v4-8 plan. Plans before session 18 used it.
 
 XLA's cost analysis counts the body of every loop once: the decode loop, the
 layer scan, the micro-batch scan, the LM-head chunks. So the estimates are
@@ -32,8 +41,8 @@ built as follows, and labelled as estimates:
   model FLOPs from the shapes (`bench.model_flops_per_step`: 6 (2 forward-only)
   x matmul parameters x tokens + attention, plus one forward more with
   remat; the update's and the reference forward's with each group's query
-  counted once under model.share_query), bytes the compiler's (a lower bound), so their time is the compute
-  bound;
+  counted once under model.share_query), bytes from the compiled program
+  (a lower bound: a loop body once), so their time is the compute bound;
 - collectives (all-gathers, reduce-scatters over ICI or DCN) are in neither.
 """
 
@@ -47,6 +56,8 @@ import re
 import sys
 import time
 from pathlib import Path
+
+from erpo_jax.tools.hbm import hbm_bytes, paged_kernel_pages
 
 GIB = 2 ** 30
 
@@ -179,7 +190,7 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
                 "limit_gib": _limit_bytes(top, margin) / GIB, "fits": False,
                 "compiler_error": f"{m.group(1)} need {m.group(2)}{m.group(3)}, the compiler "
                                   f"allows {m.group(4)}{m.group(5)}",
-                "xla_flops": None, "xla_bytes_accessed": None}
+                "xla_flops": None, "xla_bytes_accessed": None, "hbm_bytes": None}
     secs = time.perf_counter() - t0
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -192,7 +203,8 @@ def _measure(lowered, top: Topology, margin: float) -> dict:
     return {"compile_s": round(secs, 1), "bytes": mem, "peak_bytes": peak,
             "peak_gib": peak / GIB, "limit_gib": limit / GIB, "fits": peak <= limit,
             "xla_flops": float(cost.get("flops", 0.0)),
-            "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+            "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "hbm_bytes": float(hbm_bytes(compiled.as_text(), paged_kernel_pages))}
 
 
 # Chat-templated MATH prompts: about 100 tokens at the median and under 200
@@ -295,11 +307,11 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
             say(f"  {prog.name:<18} DOES NOT FIT: {row['compiler_error']}")
             continue
         if prog.engine is not None:   # a rollout engine's program
-            row["flops"], row["bytes_accessed"] = row["xla_flops"], row["xla_bytes_accessed"]
+            row["flops"], row["bytes_accessed"] = row["xla_flops"], row["hbm_bytes"]
             if prog.part:
                 row["part"], row["group"] = prog.part, prog.group
             costs["runs"][prog.group, prog.part] = _roofline_ms(row["xla_flops"],
-                                                                row["xla_bytes_accessed"], top)
+                                                                row["hbm_bytes"], top)
             if decode_step:
                 _cost_loops(row, prog, progs, model_cfg, mesh, top, margin, costs["steps"])
         else:
@@ -309,7 +321,7 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
             shared = (progs.query_group, T - N) if prog.name in ("update",
                                                                 "reference forward") else (1, 0)
             row["flops"] = _model_flops(model_cfg, prog.rows, T, train, *shared) / chips
-            row["bytes_accessed"] = row["xla_bytes_accessed"]
+            row["bytes_accessed"] = row["hbm_bytes"]
         t_c, t_m = row["flops"] / top.peak_flops, row["bytes_accessed"] / top.hbm_bytes_per_s
         row["estimated_ms"] = 1e3 * max(t_c, t_m)
         row["bound"] = "compute" if t_c >= t_m else "memory"
@@ -349,16 +361,18 @@ def _cost_loops(row: dict, prog, progs, model_cfg, mesh, top: Topology, margin: 
     phases, full = [], None
     for loop in prog.loops:
         step = _measure(loop.lower(), top, margin)
-        ms = _roofline_ms(step["xla_flops"], step["xla_bytes_accessed"], top)
+        ms = _roofline_ms(step["xla_flops"], step["hbm_bytes"], top)
         step_costs[prog.group, loop.key] = ms
         if loop.steps is None:
             row["step_flops"], row["step_bytes_accessed"] = (step["xla_flops"],
-                                                             step["xla_bytes_accessed"])
+                                                             step["hbm_bytes"])
+            row["step_xla_bytes_accessed"] = step["xla_bytes_accessed"]
             row["step_ms"] = ms
         else:
             phases.append({"cache_length": loop.cache_length, "steps": loop.steps,
                            "flops": step["xla_flops"],
-                           "bytes_accessed": step["xla_bytes_accessed"],
+                           "bytes_accessed": step["hbm_bytes"],
+                           "xla_bytes_accessed": step["xla_bytes_accessed"],
                            "peak_gib": step["peak_gib"], "compile_s": step["compile_s"]})
         if loop.full:
             full = _decode_traffic(step, progs, loop.rows, model_cfg, mesh, loop.cache_length)
@@ -469,7 +483,7 @@ def _formula_gib(cfg, prog, top: Topology, mesh_shape, data_size: int) -> float 
 
 def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh,
                     cache_length: int | None = None) -> dict:
-    """One decode step's bytes accessed against the minimum: every weight (in
+    """One decode step's HBM bytes against the minimum: every weight (in
     the compute dtype, which the sampler's decode loop reads: a copy made
     once per call, `model.in_compute_dtype`) and the whole KV cache read
     once (per chip). The minimum assumes each chip reads only its own weight
@@ -491,9 +505,10 @@ def _decode_traffic(step: dict, progs, rows: int, model_cfg, mesh,
     kv = (2 * model_cfg.num_layers * rows / data * S * model_cfg.num_kv_heads / kv_heads_split
           * model_cfg.head_dim * cd)
     minimum = weights + kv
-    return {"bytes_accessed": step["xla_bytes_accessed"], "minimum_bytes": minimum,
+    return {"bytes_accessed": step["hbm_bytes"], "minimum_bytes": minimum,
+            "xla_bytes_accessed": step["xla_bytes_accessed"],
             "weights_bytes": weights, "kv_cache_bytes": kv,
-            "ratio": step["xla_bytes_accessed"] / minimum, "flops": step["xla_flops"],
+            "ratio": step["hbm_bytes"] / minimum, "flops": step["xla_flops"],
             "peak_gib": step["peak_gib"], "compile_s": step["compile_s"]}
 
 

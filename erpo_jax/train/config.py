@@ -142,9 +142,10 @@ class RolloutSection:
     # samples for the same key, to float rounding: a draw can flip where
     # rounding moves it across a token boundary), 'paged' (the continuous pool
     # over a KV cache in pages; rollout.page_size, kv_pages, paged_attention)
-    # or 'auto': continuous on the real path
-    # (data.task=jsonl), whose response lengths vary, static on the embedded
-    # arithmetic task (`rollout.engine.engine_name`). README "Choosing a rollout engine".
+    # or 'auto': on the real path (data.task=jsonl), whose response lengths
+    # vary, paged on a TPU mesh where its attention is the Pallas kernel and
+    # continuous elsewhere; static on the embedded arithmetic task
+    # (`rollout.engine.engine_name`). README "Choosing a rollout engine".
     engine: str = "auto"
     # The continuous engine's decode slots (0: the static engine's rows per
     # call, max_prompts_per_call (or the batch) x group_size, rounded up to the
@@ -369,15 +370,16 @@ def _validate_ranges(cfg: RunConfig) -> None:
     for name in ("slots", "refill", "kv_pages"):
         if getattr(r, name) < 0:
             _fail(f"rollout.{name}", f"must be >= 0 (0 = automatic), got {getattr(r, name)}.")
-    if engine_name(cfg) == "paged":
-        from erpo_jax.model.paged_attention import resolve_impl
-        from erpo_jax.rollout.paged import check_page_size
-        for name, check in (("page_size", lambda: check_page_size(r.page_size)),
-                            ("paged_attention", lambda: resolve_impl(r.paged_attention, None))):
-            try:
-                check()
-            except ValueError as e:
-                _fail(f"rollout.{name}", str(e).split(f"rollout.{name} ", 1)[1])
+    # The page settings are checked whatever the engine: 'auto' resolves by
+    # the mesh the run gets (`engine_name`), which validation does not know.
+    from erpo_jax.model.paged_attention import resolve_impl
+    from erpo_jax.rollout.paged import check_page_size
+    for name, check in (("page_size", lambda: check_page_size(r.page_size)),
+                        ("paged_attention", lambda: resolve_impl(r.paged_attention, None))):
+        try:
+            check()
+        except ValueError as e:
+            _fail(f"rollout.{name}", str(e).split(f"rollout.{name} ", 1)[1])
     if r.cache_phases < 1:
         _fail("rollout.cache_phases", f"must be >= 1 (1 = the whole cache from the start), "
               f"got {r.cache_phases}.")
@@ -566,7 +568,7 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
             _fail("rollout.slots", f"is {r.slots}, not a multiple of the data-parallel size "
                   f"{data_par}: the {engine_name(cfg)} engine's slots lie over the data axes; "
                   f"set it to {-(-r.slots // data_par) * data_par}.")
-        if engine_name(cfg) == "paged" and r.kv_pages % data_par:
+        if r.kv_pages % data_par:
             _fail("rollout.kv_pages", f"is {r.kv_pages}, not a multiple of the data-parallel "
                   f"size {data_par}: each data shard holds its own pages; set it to "
                   f"{-(-r.kv_pages // data_par) * data_par}.")

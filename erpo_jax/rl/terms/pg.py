@@ -11,26 +11,24 @@ over response tokens), `mismatch/ratio_out_frac` (share of response tokens
 whose ratio is outside MISMATCH_BAND) and `mismatch/seq_logp_abs_max` (the
 largest per-sequence |sum_t log r|); the Trainer logs the step's first
 update's values. `loss.rollout_correction` (masked importance sampling, as
-verl's and TRL's) removes from the term the response tokens ('token_mask')
-or whole sequences ('sequence_mask': the geometric-mean ratio
-exp(mean_t log r)) whose ratio is outside [rollout_correction_low,
-rollout_correction_high]; a masked token adds 0 to the term and stays in
-its denominator (verl's convention), so the kept tokens' gradients are the
-uncorrected term's.
+verl's and TRL's; the entries are in `rl/rollout_correction.py`) removes
+from the term the response tokens ('token_mask') or whole sequences
+('sequence_mask': the geometric-mean ratio exp(mean_t log r)) whose ratio is
+outside [rollout_correction_low, rollout_correction_high]; a masked token
+adds 0 to the term and stays in its denominator (verl's convention), so the
+kept tokens' gradients are the uncorrected term's.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 
 from erpo_jax.rl.kl import LOG_RATIO_LIMIT, kl_estimate
 from erpo_jax.rl.policy_losses import get_policy_loss
+from erpo_jax.rl.rollout_correction import keep_mask
 from erpo_jax.rl.terms.base import Term, register
 
-ROLLOUT_CORRECTIONS = ("none", "token_mask", "sequence_mask")
 # The ratio band `mismatch/ratio_out_frac` counts the tokens outside of.
 MISMATCH_BAND = (0.9, 1.1)
 # How the update combines these metrics over its micro-batches
@@ -52,23 +50,6 @@ def pg_parts(inputs):
     log_ratio = jnp.where(rm, inputs.logp - f32(batch.old_logp), 0.0)
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))  # cannot overflow
     return adv, log_ratio, ratio
-
-
-def rollout_keep(cfg, log_ratio, rm):
-    """bool[N, T-1]: the response tokens the PG term keeps under
-    `loss.rollout_correction` (all of rm for 'none'): those whose ratio
-    exp(log_ratio) is within [rollout_correction_low, rollout_correction_high]
-    ('token_mask'), or every token of the sequences whose geometric-mean
-    ratio exp(mean_t log_ratio) is ('sequence_mask'). Bounds inclusive."""
-    mode = cfg.rollout_correction
-    if mode == "none":
-        return rm
-    lo, hi = math.log(cfg.rollout_correction_low), math.log(cfg.rollout_correction_high)
-    x = jax.lax.stop_gradient(jnp.where(rm, log_ratio, 0.0))
-    if mode == "sequence_mask":
-        n = jnp.maximum(jnp.sum(rm, axis=-1, keepdims=True), 1).astype(jnp.float32)
-        x = jnp.broadcast_to(jnp.sum(x, axis=-1, keepdims=True) / n, x.shape)
-    return rm & (x >= lo) & (x <= hi)
 
 
 def mismatch_metrics(inputs, log_ratio, ratio) -> dict:
@@ -106,7 +87,7 @@ def pg(inputs):
     if inputs.cfg.rollout_correction != "none":
         # Masked tokens add exactly 0 (and no gradient) but stay in agg's
         # denominator: they count as 0, as in verl.
-        keep = rollout_keep(inputs.cfg, log_ratio, rm)
+        keep = keep_mask(inputs.cfg, log_ratio, rm)
         per_token = jnp.where(keep, per_token, 0.0)
         metrics["rollout_correction_masked_frac"] = inputs.tok_mean(
             (rm & ~keep).astype(jnp.float32))
