@@ -27,7 +27,7 @@ from workers import kill_workers, wait_for_workers
 
 EXTRA = [*ANSWERING, "train.steps=2", "train.drift_every=1", "train.drift_queries=8",
          "loss.beta_query=0.1", "algo.weight_scheme=likelihood", "mesh.shape=-1,1,1",
-         "rollout.engine=continuous", "rollout.slots=8",   # 8 slots refilled from 32 samples
+         "rollout.slots=8",                                 # 8 slots refilled from 32 samples
          "algo.filter_groups=true", "algo.filter_max_batches=2"]   # DAPO's dynamic sampling
 # the rollouts: the same tokens, and the same groups kept by dynamic sampling
 EXACT = ("reward_mean", "response_len_mean", "rollout/prompts_sampled", "filter/varied_groups")
@@ -46,8 +46,13 @@ def _rows(run_dir):
 
 
 @pytest.mark.slow
-def test_two_process_training_matches_one_process(sft_model, tmp_path):
+# The paged engine's pool is the continuous one's plus its page book and page
+# writes, so the default case runs it; the continuous engine is the long variant.
+@pytest.mark.long(when=lambda p: p["engine"] == "continuous")
+@pytest.mark.parametrize("engine", ["paged", "continuous"])
+def test_two_process_training_matches_one_process(sft_model, tmp_path, engine):
     multi, single = tmp_path / "m" / "run", tmp_path / "s" / "run"  # reference caches apart
+    extra = [*EXTRA, f"rollout.engine={engine}", "rollout.page_size=8"]
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("TPU_WORKER_HOSTNAMES",
                                                            "MEGASCALE_NUM_SLICES")}
@@ -56,7 +61,7 @@ def test_two_process_training_matches_one_process(sft_model, tmp_path):
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
     assert {"ERPO_MULTIHOST", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
             "JAX_PROCESS_ID"} <= set(LAUNCH_ENV)
-    cmd = [sys.executable, "-m", "erpo_jax.cli", "train", *rl_args(sft_model, multi, *EXTRA)]
+    cmd = [sys.executable, "-m", "erpo_jax.cli", "train", *rl_args(sft_model, multi, *extra)]
     procs, logs = [], []
     try:
         for pid in range(2):
@@ -65,7 +70,7 @@ def test_two_process_training_matches_one_process(sft_model, tmp_path):
                 procs.append(subprocess.Popen(cmd, env={**env, "JAX_PROCESS_ID": str(pid)},
                                               stdout=f, stderr=subprocess.STDOUT))
         # meanwhile, the same run on one 8-device process
-        assert train(load_config(None, rl_args(sft_model, single, *EXTRA)))["status"] == "done"
+        assert train(load_config(None, rl_args(sft_model, single, *extra)))["status"] == "done"
         wait_for_workers(procs, logs, timeout_s=240)
     finally:
         kill_workers(procs)

@@ -24,7 +24,7 @@ from typing import Any
 
 from erpo_jax.rl.loss import LossConfig, deferred_validation
 from erpo_jax.rl.weights import W_MAX, W_MIN
-from erpo_jax.rollout.engine import ENGINES, engine_name
+from erpo_jax.rollout.engine import ENGINES
 from erpo_jax.runtime.errors import ConfigError  # noqa: F401  (re-exported: its home for callers)
 
 
@@ -371,15 +371,18 @@ def _validate_ranges(cfg: RunConfig) -> None:
         if getattr(r, name) < 0:
             _fail(f"rollout.{name}", f"must be >= 0 (0 = automatic), got {getattr(r, name)}.")
     # The page settings are checked whatever the engine: 'auto' resolves by
-    # the mesh the run gets (`engine_name`), which validation does not know.
-    from erpo_jax.model.paged_attention import resolve_impl
+    # the mesh the run gets (`engine_name`), which validation does not know;
+    # nor does it ask JAX for a platform (a multi-host run initialises JAX's
+    # distributed runtime after its config is checked).
+    from erpo_jax.model.paged_attention import IMPLS
     from erpo_jax.rollout.paged import check_page_size
-    for name, check in (("page_size", lambda: check_page_size(r.page_size)),
-                        ("paged_attention", lambda: resolve_impl(r.paged_attention, None))):
-        try:
-            check()
-        except ValueError as e:
-            _fail(f"rollout.{name}", str(e).split(f"rollout.{name} ", 1)[1])
+    try:
+        check_page_size(r.page_size)
+    except ValueError as e:
+        _fail("rollout.page_size", str(e).split("rollout.page_size ", 1)[1])
+    if r.paged_attention not in IMPLS:
+        _fail("rollout.paged_attention", f"is {r.paged_attention!r}; choose one of "
+              f"{', '.join(map(repr, IMPLS))}.")
     if r.cache_phases < 1:
         _fail("rollout.cache_phases", f"must be >= 1 (1 = the whole cache from the start), "
               f"got {r.cache_phases}.")
@@ -564,9 +567,12 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
             _fail("optim.micro_batches", f"a micro-batch has {micro_rows} rows, which is not "
                   f"divisible by the data-parallel size {data_par}; change train.batch_size, "
                   "rollout.group_size or the mesh.")
-        if engine_name(cfg) in ("continuous", "paged") and r.slots % data_par:
+        # 'auto' on the real path is one of the two pool engines, whichever the mesh picks.
+        pool = r.engine in ("continuous", "paged") or (r.engine == "auto" and d.task == "jsonl")
+        if pool and r.slots % data_par:
+            name = r.engine if r.engine != "auto" else "continuous or paged"
             _fail("rollout.slots", f"is {r.slots}, not a multiple of the data-parallel size "
-                  f"{data_par}: the {engine_name(cfg)} engine's slots lie over the data axes; "
+                  f"{data_par}: the {name} engine's slots lie over the data axes; "
                   f"set it to {-(-r.slots // data_par) * data_par}.")
         if r.kv_pages % data_par:
             _fail("rollout.kv_pages", f"is {r.kv_pages}, not a multiple of the data-parallel "

@@ -1,8 +1,10 @@
-"""BENCHMARKS.md "Session 16" tables from `erpo plan --only rollout --json`
-reports of the rollout engines (experiments/results/plan/engines/). The
-paged engine's decode step: XLA's bytes less its charge for the page array,
-plus the pages the kernel copies, counted from the page table (its
-`rollout_estimate`), against weights plus the KV the slots hold.
+"""BENCHMARKS.md "Session 16" to "Session 18" tables from `erpo plan --only
+rollout --json` reports of the rollout engines
+(experiments/results/plan/engines/). A decode step's bytes are its HBM
+traffic counted from the compiled program (`erpo_jax/tools/hbm.py`), XLA's
+own count beside it; the paged engine's step adds the pages the kernel
+copies, counted from the page table (its `rollout_estimate`), and is set
+against weights plus the KV the slots hold.
 
     .venv/bin/python experiments/profiles/engine_plan_table.py experiments/results/plan/engines/*.json
 """
@@ -19,18 +21,22 @@ def main(paths: list[str]) -> None:
     reports = [json.load(open(p)) for p in paths]
     print("| config | topology | engine | decode steps per RL step | slot utilisation "
           "| rollout est. s per RL step | largest program peak GiB/chip | one decode step "
-          "reads GiB/chip (x minimum) |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+          "reads GiB/chip, HBM (x minimum) | XLA's count GiB/chip |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in sorted(reports, key=lambda r: (r["config"], r["rollout_estimate"]["engine"])):
         e = r["rollout_estimate"]
         peak = max(p["peak_gib"] for p in r["programs"])
-        step = next(p["decode_step"] for p in r["programs"] if "decode_step" in p)
-        nbytes, ratio = step["bytes_accessed"], step["ratio"]
+        decode = next(p for p in r["programs"] if "step_bytes_accessed" in p or
+                      "decode_step" in p)
+        step = decode.get("decode_step")
         if "step_ratio" in e:   # the kernel's reads, from the page table
             nbytes, ratio = e["step_bytes"], e["step_ratio"]
+            xla = decode["step_xla_bytes_accessed"]
+        else:
+            nbytes, ratio, xla = step["bytes_accessed"], step["ratio"], step["xla_bytes_accessed"]
         print(f"| {r['config']} | {r['topology']} | {e['engine']} | {e['decode_steps']:,} "
               f"| {100 * e['slot_utilization']:.0f}% | {e['estimated_ms'] / 1e3:.1f} "
-              f"| {peak:.2f} | {nbytes / GIB:.2f} ({ratio:.2f}x) |")
+              f"| {peak:.2f} | {nbytes / GIB:.2f} ({ratio:.2f}x) | {xla / GIB:.2f} |")
     print()
     print("| config | topology | program | peak GiB/chip | est. ms per call (per step for "
           "a decode) | compile s |")
