@@ -30,10 +30,12 @@ import pytest  # noqa: E402
 # The longest test files (seconds of one core, from `pytest --durations`), handed
 # to the workers first: under --dist loadfile a file runs whole on one worker, and
 # a long file dealt out last leaves the other worker idle until it ends.
-LONGEST_FIRST = ("test_train.py", "test_plan.py", "test_faults.py", "test_chaos.py",
-                 "test_bench.py", "test_model.py", "test_real_path.py", "test_experiments.py",
-                 "test_sharding.py", "test_method_run.py", "test_sampler.py",
-                 "test_multihost_train.py", "test_engines.py")
+LONGEST_FIRST = ("test_train.py", "test_engines.py", "test_model.py", "test_real_path.py",
+                 "test_plan.py", "test_faults.py", "test_sampler.py", "test_bench.py",
+                 "test_sharding.py", "test_experiments.py", "test_paged_engine.py",
+                 "test_method_run.py", "test_demo.py", "test_multihost_train.py",
+                 "test_stabilizers.py", "test_resume_changes.py", "test_readme_example.py",
+                 "test_loss_terms.py", "test_chaos.py")
 
 
 LONG = os.environ.get("ERPO_LONG_TESTS") == "1"
