@@ -845,6 +845,31 @@ def slip_stabilizer_verdicts_table() -> list[str]:
     return lines
 
 
+def slip_stabilizer_old_new_table() -> list[str]:
+    """ERPO − each row issue 47 re-ran (and ERPO + DAPO − DAPO), before (issue
+    35's runs of the row, experiments/results/slip_stabilizers_v1) and now,
+    with the verdict of claim 1's rule on final greedy pass@1 each time; ERPO
+    was not re-run, so its runs are the same on both sides."""
+    lines = ["| setting | ERPO side − other side | before: greedy pass@1, points | before | "
+             "now: greedy pass@1, points | now | verdict |", "|---|---|---|---|---|---|---|"]
+    if not (RESULTS / "slip_stabilizers_v1" / "runs").is_dir():
+        return lines
+    old = runs("slip_stabilizers_v1")
+    for setting, by in _stabilizer_settings():
+        for a, b in STABILIZER_PAIRS:
+            ka, kb = f"{a}-{setting}", f"{b}-{setting}"
+            if a not in by or b not in by or (ka not in old and kb not in old):
+                continue
+            acc = lambda rs: [_final(r, "greedy_acc") for r in rs]
+            before, eb = _diff(acc(old.get(ka, by[a])), acc(old.get(kb, by[b])))
+            now, en = _diff(acc(by[a]), acc(by[b]))
+            vb, vn = _accuracy_verdict(eb), _accuracy_verdict(en)
+            lines.append(f"| {_setting_label(setting)} | {STABILIZER_LABELS[a]} − "
+                         f"{STABILIZER_LABELS[b]} | {before} | {vb} | {now} | {vn} | "
+                         f"{'stands' if vb == vn else '**reversed**'} |")
+    return lines
+
+
 def slip_stabilizer_wall_table() -> list[str]:
     mods = [("slip_grid", "stability grid (new cells, 3 seeds)"),
             ("slip_stabilizer_tuning_v1", "stabilizer tuning, the first grid of the rows "
@@ -875,6 +900,7 @@ TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "slip_stabilizer_mechanics": slip_stabilizer_mechanics_table,
           "slip_stabilizers": slip_stabilizers_table,
           "slip_stabilizer_verdicts": slip_stabilizer_verdicts_table,
+          "slip_stabilizer_old_new": slip_stabilizer_old_new_table,
           "slip_stabilizer_wall": slip_stabilizer_wall_table}
 GRID_PNG = RESULTS / "slip_grid" / "grid.png"
 
