@@ -14,7 +14,9 @@ from erpo_jax.tools import plan as plan_lib
 # copy-start, then read there; pool: f32[64,1024] (262,144 B) updated in
 # place by a fused scatter of 4 rows (16,384 B) and by a plain
 # dynamic-update-slice of 1 row (4,096 B); table: f32[1000,128] (512,000 B)
-# gathered 8 rows (4,096 B); a custom call reading the pool last.
+# gathered 8 rows (4,096 B); a custom call reading the pool last; a
+# multi-output fusion (a KV cache's layers) that reads 8 rows of k0 and
+# writes them back updated, and writes `rows` into k1, both in place.
 _HLO = """HloModule m
 
 %region (a: f32[], b: f32[]) -> f32[] {
@@ -36,7 +38,19 @@ _HLO = """HloModule m
   ROOT %gather = f32[8,128]{1,0} gather(%q0, %q1), offset_dims={1}
 }
 
-ENTRY %main (w: bf16[256,512], pool: f32[64,1024], idx: s32[4,1], upd: f32[4,1024], table: f32[1000,128], ids: s32[8], row: f32[1,1024], i: s32[]) -> f32[8,128] {
+%fused_cache (c0: f32[64,1024], c1: f32[8,1024], c2: f32[64,1024]) -> (f32[64,1024], f32[64,1024]) {
+  %c0 = f32[64,1024]{1,0} parameter(0)
+  %c1 = f32[8,1024]{1,0} parameter(1)
+  %c2 = f32[64,1024]{1,0} parameter(2)
+  %old = f32[8,1024]{1,0} slice(%c0), slice={[0:8], [0:1024]}
+  %new = f32[8,1024]{1,0} add(%old, %c1)
+  %z = s32[] constant(0)
+  %d0 = f32[64,1024]{1,0} dynamic-update-slice(%c0, %new, %z, %z)
+  %d1 = f32[64,1024]{1,0} dynamic-update-slice(%c2, %c1, %z, %z)
+  ROOT %t = (f32[64,1024]{1,0}, f32[64,1024]{1,0}) tuple(%d0, %d1)
+}
+
+ENTRY %main (w: bf16[256,512], pool: f32[64,1024], idx: s32[4,1], upd: f32[4,1024], table: f32[1000,128], ids: s32[8], row: f32[1,1024], i: s32[], k0: f32[64,1024], k1: f32[64,1024], rows: f32[8,1024]) -> f32[8,128] {
   %w = bf16[256,512]{1,0:T(8,128)(2,1)} parameter(0)
   %pool = f32[64,1024]{1,0:T(8,128)} parameter(1)
   %idx = s32[4,1]{1,0:T(4,128)} parameter(2)
@@ -45,6 +59,10 @@ ENTRY %main (w: bf16[256,512], pool: f32[64,1024], idx: s32[4,1], upd: f32[4,102
   %ids = s32[8]{0:T(128)} parameter(5)
   %row = f32[1,1024]{1,0:T(1,128)} parameter(6)
   %i = s32[]{:T(128)} parameter(7)
+  %k0 = f32[64,1024]{1,0:T(8,128)} parameter(8)
+  %k1 = f32[64,1024]{1,0:T(8,128)} parameter(9)
+  %rows = f32[8,1024]{1,0:T(8,128)} parameter(10)
+  %cache = (f32[64,1024]{1,0:T(8,128)}, f32[64,1024]{1,0:T(8,128)}) fusion(%k0, %rows, %k1), kind=kLoop, calls=%fused_cache
   %copy-start = (bf16[256,512]{1,0:T(8,128)(2,1)S(1)}, bf16[256,512]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w)
   %copy-done = bf16[256,512]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
   %scat = f32[64,1024]{1,0:T(8,128)} fusion(%pool, %idx, %upd), kind=kLoop, calls=%fused_scatter
@@ -64,9 +82,12 @@ def test_each_rule_of_the_count_on_a_written_module():
     dus = 2 * ROW                                    # the row read and written
     gather = GATHERED + IDS + GATHERED               # the rows gathered, ids, result
     kernel = IDS + POOL                              # VMEM w and VMEM result not counted
-    assert hbm.hbm_bytes(_HLO) == staged + scatter + dus + gather + kernel
+    ROWS = 8 * 1024 * 4
+    cache = ROWS + ROWS + 2 * ROWS                   # k0's rows and `rows` read; two updates
+    assert hbm.hbm_bytes(_HLO) == staged + scatter + dus + gather + kernel + cache
     # The page pool of a ragged paged attention call is left to the page book.
-    assert hbm.hbm_bytes(_HLO, hbm.paged_kernel_pages) == staged + scatter + dus + gather + IDS
+    assert hbm.hbm_bytes(_HLO, hbm.paged_kernel_pages) == (staged + scatter + dus + gather
+                                                           + IDS + cache)
 
 
 def test_a_module_without_an_entry_is_refused():

@@ -16,7 +16,8 @@ compiler placed in HBM (memory space 0, no `S(n)` in the layout), once:
 - a fusion's parameter that the fused computation only slices, dynamic-slices
   or gathers counts the slices' bytes; one it updates in place (the buffer
   operand of a scatter or dynamic-update-slice) counts the update's bytes, as
-  does such a fusion's result; any other parameter counts whole;
+  does such a fusion's result (each in-place result of a multi-output
+  fusion's tuple too); any other parameter counts whole;
 - a `slice-start` / `copy-start` counts what it moves out of HBM;
 - bitcasts, tuples, parameters, constants and the `*-done` halves count 0;
 - operands named in `skip` (a custom call's operand whose reads are counted
@@ -131,18 +132,28 @@ def _fusion_use(comp: list) -> tuple[dict, int | None]:
     reads, updated = {}, None
     for pname, idx in params.items():
         uses = users.get(pname, [])
-        if uses and all(u.op in _SLICING and pos == 0 for u, pos in uses):
-            reads[idx] = sum(sum(a.bytes for a in u.arrays) for u, _ in uses)
-        elif uses and all(u.op in _IN_PLACE and pos == 0 for u, pos in uses):
-            reads[idx] = 0
+        if uses and all(u.op in _SLICING | _IN_PLACE and pos == 0 for u, pos in uses):
+            # read where sliced; a buffer updated in place is not read
+            reads[idx] = sum(sum(a.bytes for a in u.arrays) for u, _ in uses
+                             if u.op in _SLICING)
         else:
             reads[idx] = None
     root = next((i for i in comp if i.text.lstrip().startswith("ROOT")), None)
+
+    def written(instr) -> int | None:
+        if instr.op in _IN_PLACE:
+            # scatter(buffer, indices, updates), dynamic-update-slice(buffer, update, ...)
+            upd = by_name.get(instr.operands[2 if instr.op == "scatter" else 1])
+            return None if upd is None else sum(a.bytes for a in upd.arrays)
+        return sum(a.bytes for a in instr.arrays)
+
     if root is not None and root.op in _IN_PLACE:
-        # scatter(buffer, indices, updates), dynamic-update-slice(buffer, update, ...)
-        upd = by_name.get(root.operands[2 if root.op == "scatter" else 1])
-        if upd is not None:
-            updated = sum(a.bytes for a in upd.arrays)
+        updated = written(root)
+    elif (root is not None and root.op == "tuple"
+          and any(by_name[o].op in _IN_PLACE for o in root.operands if o in by_name)):
+        # A multi-output fusion updating several buffers in place (a KV cache's layers).
+        parts = [written(by_name[o]) if o in by_name else None for o in root.operands]
+        updated = None if None in parts else sum(parts)
     return reads, updated
 
 
