@@ -64,12 +64,21 @@ def engine_name(cfg, sharding: Sharding | None = None, model_cfg: ModelConfig | 
     e = cfg.rollout.engine
     if e != "auto":
         return e
-    if cfg.data.task != "jsonl":
+    if not samples_with_a_pool(cfg):
         return "static"
     from erpo_jax.model.paged_attention import resolve_impl
     head = None if model_cfg is None else model_cfg.head_dim
     kernel = resolve_impl(cfg.rollout.paged_attention, sharding, head) == "kernel"
     return "paged" if kernel else "continuous"
+
+
+def samples_with_a_pool(cfg) -> bool:
+    """Whether a run of `cfg` samples with one of the pool engines (continuous
+    or paged, whose slots lie over the data axes), decided without the mesh:
+    'auto' picks one of them on the real path and the static engine on the
+    arithmetic task (`engine_name`)."""
+    e = cfg.rollout.engine
+    return cfg.data.task == "jsonl" if e == "auto" else e in ("continuous", "paged")
 
 
 def _engine_class(name: str) -> type:

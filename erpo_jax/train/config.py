@@ -24,7 +24,7 @@ from typing import Any
 
 from erpo_jax.rl.loss import LossConfig, deferred_validation
 from erpo_jax.rl.weights import W_MAX, W_MIN
-from erpo_jax.rollout.engine import ENGINES
+from erpo_jax.rollout.engine import ENGINES, samples_with_a_pool
 from erpo_jax.runtime.errors import ConfigError  # noqa: F401  (re-exported: its home for callers)
 
 
@@ -567,9 +567,7 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
             _fail("optim.micro_batches", f"a micro-batch has {micro_rows} rows, which is not "
                   f"divisible by the data-parallel size {data_par}; change train.batch_size, "
                   "rollout.group_size or the mesh.")
-        # 'auto' on the real path is one of the two pool engines, whichever the mesh picks.
-        pool = r.engine in ("continuous", "paged") or (r.engine == "auto" and d.task == "jsonl")
-        if pool and r.slots % data_par:
+        if samples_with_a_pool(cfg) and r.slots % data_par:
             name = r.engine if r.engine != "auto" else "continuous or paged"
             _fail("rollout.slots", f"is {r.slots}, not a multiple of the data-parallel size "
                   f"{data_par}: the {name} engine's slots lie over the data axes; "
