@@ -109,6 +109,33 @@ def _param(module: nn.Module, name: str, shape, logical, init, cfg: ModelConfig)
                         cfg.jnp_param_dtype)
 
 
+def _adapter(module: nn.Module, name: str, x, w_shape, logical, n_in: int, cfg: ModelConfig,
+             mm):
+    """The low-rank update (x . A) . (s B) of projection `name` (model/lora.py),
+    or None when it carries no adapter. A [*in, r] and B [r, *out] are float32
+    parameters of `module` beside the kernel, sharded as its input and output
+    axes; they are cast to the compute dtype for the two matmuls."""
+    if name not in cfg.lora_target_names:
+        return None
+    from erpo_jax.model import lora
+    r, dt = cfg.lora_rank, cfg.jnp_compute_dtype
+    a = module.param(name + lora.A_SUFFIX, nn.with_logical_partitioning(
+        lora.a_init, tuple(logical[:n_in]) + (None,)), tuple(w_shape[:n_in]) + (r,), jnp.float32)
+    b = module.param(name + lora.B_SUFFIX, nn.with_logical_partitioning(
+        nn.initializers.zeros, (None,) + tuple(logical[n_in:])), (r,) + tuple(w_shape[n_in:]),
+        jnp.float32)
+    xa = mm(x, a.astype(dt), n_in)
+    return dense(xa, (b * lora.scale(cfg)).astype(dt), 1, platform=getattr(mm, "keywords",
+                                                                            {}).get("platform"))
+
+
+def _project(module: nn.Module, name: str, x, w, logical, n_in: int, cfg: ModelConfig, mm):
+    """x . W over W's first n_in axes, plus projection `name`'s adapter update."""
+    y = mm(x, w.astype(cfg.jnp_compute_dtype), n_in)
+    d = _adapter(module, name, x, w.shape, logical, n_in, cfg, mm)
+    return y if d is None else y + d
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype) -> jax.Array:
     """RMSNorm computed in float32, as HF does, then scaled in the compute dtype."""
     xf = x.astype(jnp.float32)
@@ -183,13 +210,16 @@ class Attention(nn.Module):
         init = nn.initializers.normal(0.02)
         plat = platform_of(self.sharding)
         mm = functools.partial(dense, platform=plat)
-        wq = _param(self, "q_proj", (D, H, K), ("embed", "heads", "head_dim"), init, cfg)
-        wk = _param(self, "k_proj", (D, N, K), ("embed", "kv_heads", "head_dim"), init, cfg)
-        wv = _param(self, "v_proj", (D, N, K), ("embed", "kv_heads", "head_dim"), init, cfg)
-        wo = _param(self, "o_proj", (H, K, D), ("heads", "head_dim", "embed"), init, cfg)
-        q = mm(x, wq.astype(dt))
-        k = mm(x, wk.astype(dt))
-        v = mm(x, wv.astype(dt))
+        q_ax, kv_ax = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        o_ax = ("heads", "head_dim", "embed")
+        wq = _param(self, "q_proj", (D, H, K), q_ax, init, cfg)
+        wk = _param(self, "k_proj", (D, N, K), kv_ax, init, cfg)
+        wv = _param(self, "v_proj", (D, N, K), kv_ax, init, cfg)
+        wo = _param(self, "o_proj", (H, K, D), o_ax, init, cfg)
+        q = _project(self, "q_proj", x, wq, q_ax, 1, cfg, mm)
+        k = _project(self, "k_proj", x, wk, kv_ax, 1, cfg, mm)
+        v = _project(self, "v_proj", x, wv, kv_ax, 1, cfg, mm)
+        out_proj = lambda o: _project(self, "o_proj", o, wo, o_ax, 2, cfg, mm)
         if layer_cache is not None and (prefix is not None or kv_out):
             raise ValueError("Attention: prefix and kv_out are for the cacheless pass only.")
         if layer_cache is not None and self.sharding is not None:
@@ -217,7 +247,7 @@ class Attention(nn.Module):
                 rows(q, "act_heads"), rows(k, "act_kv_heads"), rows(v, "act_kv_heads"),
                 c.kv_pages, c.table, c.kv_len, c.live, sharding=self.sharding, impl=c.impl)
             out = constrain(out[:, None], ("batch", "length", "act_heads", None))
-            return mm(out, wo.astype(dt), 2), pages
+            return out_proj(out), pages
         if layer_cache is not None:
             # This layer's buffers (keys [B, N, K, S], values [B, N, S, K]):
             # write the T new keys/values at cache_index in place and attend
@@ -259,7 +289,7 @@ class Attention(nn.Module):
             probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1)
             out = jnp.einsum("bngs,bnsk->bngk", probs[:, :, :, 0], v.astype(f32))
             out = out.astype(dt).reshape(B, 1, H, K)
-            return mm(back(out), wo.astype(dt), 2), new_cache
+            return out_proj(back(out)), new_cache
         if layer_cache is None and plat == "cpu":
             # Head-major operands on the CPU (see attention's module
             # docstring): one transpose each of q, k and v, and the output
@@ -268,10 +298,15 @@ class Attention(nn.Module):
                                    v.transpose(0, 2, 1, 3), bias, "bnsk", "bnsk",
                                    jnp.dtype(dt).name, plat, "bngtk")          # [B, N, G, T, K]
             wo_h = wo.astype(dt).reshape(N, H // N, K, D)
-            return jnp.einsum("bngtk,ngkd->btd", out, wo_h), new_cache
+            y = jnp.einsum("bngtk,ngkd->btd", out, wo_h)
+            if "o_proj" in cfg.lora_target_names:   # the adapter reads the same layout
+                head_major = lambda o, a, n: jnp.einsum("bngtk,ngkr->btr", o, a.reshape(
+                    N, H // N, K, a.shape[-1]))
+                y = y + _adapter(self, "o_proj", out, wo.shape, o_ax, 2, cfg, head_major)
+            return y, new_cache
         out = attention.attend_blocked(qg, k, v, bias, ks, vs, jnp.dtype(dt).name, plat,
                                        attention.query_block(T, plat))
-        return mm(back(out.reshape(B, T, H, K)), wo.astype(dt), 2), new_cache
+        return out_proj(back(out.reshape(B, T, H, K))), new_cache
 
 
 class MLP(nn.Module):
@@ -280,17 +315,19 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        cfg, dt = self.cfg, self.cfg.jnp_compute_dtype
+        cfg = self.cfg
         D, F = cfg.hidden_size, cfg.intermediate_size
         init = nn.initializers.normal(0.02)
-        wg = _param(self, "gate_proj", (D, F), ("embed", "mlp"), init, cfg)
-        wu = _param(self, "up_proj", (D, F), ("embed", "mlp"), init, cfg)
-        wd = _param(self, "down_proj", (F, D), ("mlp", "embed"), init, cfg)
+        up_ax, down_ax = ("embed", "mlp"), ("mlp", "embed")
+        wg = _param(self, "gate_proj", (D, F), up_ax, init, cfg)
+        wu = _param(self, "up_proj", (D, F), up_ax, init, cfg)
+        wd = _param(self, "down_proj", (F, D), down_ax, init, cfg)
         mm = functools.partial(dense, platform=platform_of(self.sharding))
-        h = jax.nn.silu(mm(x, wg.astype(dt))) * mm(x, wu.astype(dt))
+        h = (jax.nn.silu(_project(self, "gate_proj", x, wg, up_ax, 1, cfg, mm))
+             * _project(self, "up_proj", x, wu, up_ax, 1, cfg, mm))
         if self.sharding is not None:
             h = self.sharding.constrain(h, ("batch", "length", "act_mlp"))
-        return mm(h, wd.astype(dt))
+        return _project(self, "down_proj", h, wd, down_ax, 1, cfg, mm)
 
 
 class Block(nn.Module):
@@ -439,10 +476,13 @@ def in_compute_dtype(params, cfg: ModelConfig) -> Any:
     numbers from either pytree; a decode loop given this copy (made once,
     outside the loop) reads bfloat16 weights each step instead of reading
     float32 ones and casting them again."""
+    from erpo_jax.model.lora import is_adapter
     dt = jnp.dtype(cfg.jnp_compute_dtype)
-    cast = lambda x: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating)
-                      and x.dtype.itemsize > dt.itemsize else x)
-    return jax.tree_util.tree_map(cast, params)
+    # Adapters stay float32: the model scales B before its cast (`_adapter`).
+    cast = lambda path, x: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating)
+                            and x.dtype.itemsize > dt.itemsize
+                            and not is_adapter(str(getattr(path[-1], "key", ""))) else x)
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def _hidden_unrolled(params, cfg: ModelConfig, tokens, positions, attn_mask,

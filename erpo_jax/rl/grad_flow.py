@@ -34,6 +34,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 
+from erpo_jax.model import lora
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import PRESETS, ModelConfig
 from erpo_jax.rl.batch import RLBatch
@@ -76,11 +77,17 @@ def unit_coefficients(cfg: LossConfig, has_ref_logp: bool) -> LossConfig:
 @functools.partial(jax.jit, static_argnames=("cfg_model", "loss_cfg", "temperature"))
 def _inspect(params, batch: RLBatch, cfg_model: ModelConfig, loss_cfg: LossConfig,
              temperature: float):
+    # With LoRA the parameters are the adapters, what the update trains: the
+    # frozen base enters as a constant.
+    lora_on = bool(cfg_model.lora_rank)
+    frozen = lora.base(params) if lora_on else None
+
     def logits_fn(p):
-        logits, _ = model_lib.forward(p, cfg_model, batch.tokens, attn_mask=batch.attn_mask)
+        full = lora.attach(frozen, p) if lora_on else p
+        logits, _ = model_lib.forward(full, cfg_model, batch.tokens, attn_mask=batch.attn_mask)
         return logits[:, :-1]
 
-    logits, vjp = jax.vjp(logits_fn, params)
+    logits, vjp = jax.vjp(logits_fn, lora.adapters(params) if lora_on else params)
     targets = batch.tokens[:, 1:]
 
     names = rows()
@@ -154,8 +161,11 @@ def inspect_gradients(params, cfg_model: ModelConfig, batch: RLBatch, loss_cfg: 
         cosine[key] = float(dot) / (na * nb) if na > 0 and nb > 0 else math.nan
     layers = {name: {g: math.sqrt(float(v[i])) for g, v in layer_sq.items()}
               for i, name in enumerate(names)}
+    trained = (f"the LoRA adapters (rank {cfg_model.lora_rank}, {lora.count(cfg_model)} "
+               "parameters; the base is frozen)" if cfg_model.lora_rank else "all parameters")
     return {"terms": terms, "cosine": cosine, "param_grad_by_layer": layers,
-            "loss_config": dataclasses.asdict(loss_cfg), "temperature": float(temperature)}
+            "loss_config": dataclasses.asdict(loss_cfg), "temperature": float(temperature),
+            "parameters": trained}
 
 
 LEGEND = (
@@ -183,6 +193,8 @@ def format_table(report: dict) -> str:
     for name, row in report["terms"].items():
         lines.append(f"{name:<10}" + "".join(f"{row[c]:>18.6g}" for c in cols))
     lines += textwrap.wrap(LEGEND, 100)
+    if report.get("parameters", "all parameters") != "all parameters":
+        lines.append(f"theta here: {report['parameters']}.")
     names = list(report["terms"])
     layers = report.get("param_grad_by_layer")
     if layers:

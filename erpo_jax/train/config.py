@@ -51,6 +51,13 @@ class ModelSection:
     # rollout.group_size. Off where a micro-batch's queries do not split
     # evenly over the mesh's data-parallel size (Programs.query_group).
     share_query: bool = True
+    # Low-rank adapters (model/lora.py): rank 0 = full fine-tuning; above 0
+    # the base is frozen (param_dtype may be bfloat16), float32 adapters on
+    # lora_targets (empty = every attention and MLP projection) are trained
+    # with scale lora_alpha / lora_rank, and the reference is the base.
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,6 +444,56 @@ def _validate_ranges(cfg: RunConfig) -> None:
               "(memory-mapped safetensors); copy it to a local disk first.")
 
 
+def check_lora(cfg: RunConfig, model_shape=None) -> None:
+    """model.lora_*: a rank with no adapters, unknown targets, a rank above a
+    targeted layer's smaller dimension (`model_shape`: the ModelConfig when
+    known; else read from the preset or the local checkpoint's config.json),
+    and LoRA with a learned critic."""
+    from erpo_jax.model.config import LORA_TARGETS, PRESETS, from_hf_config
+    m = cfg.model
+    if m.lora_rank < 0 or (m.lora_rank == 0 and m.lora_targets):
+        _fail("model.lora_rank", f"is {m.lora_rank} with model.lora_targets "
+              f"{list(m.lora_targets)}; give a positive rank to train adapters on them, or "
+              "leave model.lora_targets empty for full fine-tuning (rank 0).")
+    bad = [t for t in m.lora_targets if t not in LORA_TARGETS]
+    if bad:
+        _fail("model.lora_targets", f"names {bad}, which are not projections; the valid "
+              f"targets are {list(LORA_TARGETS)} (empty = all of them).")
+    if not m.lora_rank:
+        return
+    if not m.lora_alpha > 0:
+        _fail("model.lora_alpha", f"must be > 0 (the adapters' scale is lora_alpha / "
+              f"lora_rank), got {m.lora_alpha}.")
+    from erpo_jax.rl import estimators
+    try:
+        critic = estimators.get(cfg.algo.advantage).needs_critic
+    except ValueError:
+        critic = False   # an unknown estimator: its own check names algo.advantage
+    if critic:
+        _fail("model.lora_rank", f"is {m.lora_rank}, but algo.advantage="
+              f"{cfg.algo.advantage!r} trains a learned critic (PPO), which has no adapters; "
+              "use a critic-free advantage (e.g. grpo) with LoRA, or model.lora_rank=0.")
+    if model_shape is None:
+        if m.init == "random" and m.preset in PRESETS:
+            model_shape = PRESETS[m.preset]
+        elif m.init in ("sft", "hf"):
+            import json
+            from pathlib import Path
+            f = Path(m.path) / "config.json"
+            if f.is_file():
+                try:
+                    model_shape = from_hf_config(json.loads(f.read_text()))
+                except (ValueError, KeyError):
+                    model_shape = None   # the loader says what is wrong with it
+    if model_shape is not None:
+        import dataclasses
+        try:
+            dataclasses.replace(model_shape, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
+                                lora_targets=tuple(m.lora_targets))
+        except ValueError as e:
+            _fail("model.lora_rank", str(e).split("ModelConfig.lora_rank ", 1)[-1])
+
+
 def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     """Raise ValueError naming the field for anything wrong; returns cfg with its
     method resolved (`methods.resolve_method`): use the returned config."""
@@ -449,6 +506,7 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     from erpo_jax.rl.weights import SCHEMES
     m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.train
     _validate_ranges(cfg)
+    check_lora(cfg)
     if m.init not in ("sft", "hf", "random"):
         _fail("model.init", f"is {m.init!r}; use 'sft', 'hf' or 'random'.")
     if m.init in ("sft", "hf") and not m.path:

@@ -180,9 +180,20 @@ def run_batch(cfg, checkpoint: str, *, reference: str | None = None, step: int =
     cfg = validate(cfg)   # method resolved: the coefficients and scheme the run uses
     if step < 0:
         raise ValueError(f"--step must be >= 0 (an RL step of the run), got {step}.")
+    m = cfg.model
+    # LoRA: --checkpoint may be a run's PEFT adapter directory (<out_dir>/adapter);
+    # the policy is then the reference (the base) with those adapters.
+    adapter_dir = None
+    if m.lora_rank and (Path(checkpoint) / "adapter_config.json").is_file():
+        adapter_dir = checkpoint
+        if reference is None and not (m.init in ("sft", "hf") and _has_model(m.path)):
+            raise ValueError(f"--checkpoint {checkpoint} holds LoRA adapters; their base model "
+                             "is the config's model.path, which holds no model: give it, or "
+                             "--reference DIR.")
     if reference is None:
-        m = cfg.model
         reference = m.path if m.init in ("sft", "hf") and _has_model(m.path) else checkpoint
+    if adapter_dir is not None:
+        checkpoint = reference
     for name, path in (("--checkpoint", checkpoint), ("--reference", reference)):
         if not _has_model(path):
             raise ValueError(f"{name} {path} is not a model directory (no config.json).")
@@ -193,6 +204,9 @@ def run_batch(cfg, checkpoint: str, *, reference: str | None = None, step: int =
     started = start(at(checkpoint), policy=f"the checkpoint {checkpoint}")
     sharding, task = started.sharding, started.task
     model_cfg, params, tok = started.model_cfg, started.params, started.tokenizer
+    if adapter_dir is not None:
+        from erpo_jax.model import lora
+        params = lora.attach(lora.base(params), lora.load_peft(adapter_dir, model_cfg, sharding))
     same = Path(reference).resolve() == Path(checkpoint).resolve()
     t, r, a = cfg.train, cfg.rollout, cfg.algo
     G, B = r.group_size, t.batch_size
@@ -210,7 +224,9 @@ def run_batch(cfg, checkpoint: str, *, reference: str | None = None, step: int =
         progs = Programs(cfg, model_cfg, sharding, tok.eos_ids, tok.pad_id)
         rec = progs.recipe
         # The run's reference pass: the Trainer's cache directory (local or gs://) and key.
-        ref_cache, computed = reference_pass(cfg, ref_params, model_cfg, tok, task, sharding,
+        # The reference is the base under LoRA (`Programs.reference_params`).
+        ref_params = progs.reference_params(ref_params)
+        ref_cache, computed = reference_pass(cfg, ref_params, progs.ref_cfg, tok, task, sharding,
                                              task.train_prompts)
         weights = ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min, a.weight_max)
         iterator = QueryBatchIterator(len(task.train), B, t.seed)
@@ -246,6 +262,8 @@ def run_batch(cfg, checkpoint: str, *, reference: str | None = None, step: int =
         advantages_fn=progs.advantages_fn, ref_logp=ref_logp,
         kl_coef=None if kl_coef is None else np.float32(kl_coef), values_fn=values_fn,
         query_group=progs.query_group, base=base)
+    if adapter_dir is not None:
+        checkpoint = adapter_dir
     info = {"cfg": cfg, "params": params, "model_cfg": model_cfg, "recipe": rec, "task": task.name,
             "same": same, "reference": reference, "ref_cache": ref_cache,
             "computed": computed, "cache_dir": reference_cache_dir(cfg), "rewards": out.rewards,

@@ -36,13 +36,15 @@ from erpo_jax.runtime.progress import progress_bar
 from erpo_jax.train import checkpoint as ckpt_lib
 from erpo_jax.train import resume as resume_lib
 from erpo_jax.train import startup
+from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import ConfigError, RunConfig, config_dict, normalized
 from erpo_jax.train.evaluate import Evaluator, keep_evals, write_eval
 from erpo_jax.train.methods import describe as describe_method
 from erpo_jax.runtime.distributed import to_host
 from erpo_jax.train.host import sample
 from erpo_jax.train.metrics import MetricsWriter
-from erpo_jax.train.policy import MODEL_SUBDIR, check_finite, export_policy
+from erpo_jax.train.policy import (ADAPTER_SUBDIR, MODEL_SUBDIR, check_finite,
+                                   export_adapter, export_policy)
 from erpo_jax.train.programs import Programs
 from erpo_jax.train.tasks import Task
 
@@ -133,6 +135,9 @@ class Trainer:
                 "'validation'); name benchmarks in data.eval_benchmarks, evaluate on data.n_val "
                 "rows with train.eval_split=validation, or set train.eval_every=0.")
         latest, config_record = self._latest, self._config_record
+        self.base_hash = None
+        if self.model_cfg.lora_rank:
+            self._check_base(latest, params)
         self.G, self.B = cfg.rollout.group_size, t.batch_size
         self.ref_forward_calls = 0
 
@@ -168,9 +173,11 @@ class Trainer:
                                                args=(self.start_step,), daemon=True)
             self._compiling.start()
 
-        # One-time reference pass (the initial policy is the reference).
-        phash = ref_lib.params_digest(params)
-        self.ref_cache, _ = startup.reference_pass(cfg, params, self.model_cfg, self.tokenizer,
+        # One-time reference pass (the initial policy is the reference; with
+        # LoRA the base, under the base config).
+        ref0, ref_cfg = progs.reference_params(params), progs.ref_cfg
+        phash = self.base_hash or ref_lib.params_digest(ref0)
+        self.ref_cache, _ = startup.reference_pass(cfg, ref0, ref_cfg, self.tokenizer,
                                                    self.task, self.sharding,
                                                    self.task.train_prompts, phash)
         self.weights = self.ref_cache.weights(a.weight_scheme, a.weight_tau, a.weight_min,
@@ -179,7 +186,7 @@ class Trainer:
         self.drift_cache = None   # the held-out queries' reference pass, only if drift is logged
         self.drift_floor = {}
         if t.drift_every > 0:
-            self.drift_cache, _ = startup.reference_pass(cfg, params, self.model_cfg,
+            self.drift_cache, _ = startup.reference_pass(cfg, ref0, ref_cfg,
                                                          self.tokenizer, self.task, self.sharding,
                                                          self.drift_prompts, phash)
             # The drift of the reference itself: what rounding alone reads (in
@@ -193,10 +200,12 @@ class Trainer:
         # The reference weights stay in memory only if a per-step term needs them.
         need_ref = self.recipe.needs_ref_logp or t.policy_kl_metric
         # Distinct buffers (the policy's are donated to the update): one jitted
-        # copy of the tree, not an eager op per leaf shape that would each compile.
+        # copy of the tree, not an eager op per leaf shape that would each
+        # compile. With LoRA none: the reference is the policy's frozen base
+        # (`_reference_params`).
         self.ref_params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p),
                                   compiler_options=xla_options.for_once())(params) \
-            if need_ref else None
+            if need_ref and not self.model_cfg.lora_rank else None
         self.evaluator = Evaluator(self.model_cfg, self.task, cfg, self.sharding,
                                    samplers=(progs.eval_greedy, progs.eval_sampled))
         self.seed_key = jax.random.key(t.seed)
@@ -215,6 +224,32 @@ class Trainer:
         self.nonfinite_in_a_row = int(self.state.nonfinite)
         self._stop = False
 
+    def _check_base(self, latest: int | None, params) -> None:
+        """LoRA: hash the frozen base (`base_hash`, kept in every checkpoint's
+        meta) and, resuming, refuse a base other than the checkpoint's before
+        anything compiles: its adapters were trained on that one."""
+        from erpo_jax.model import lora
+        self.base_hash = ref_lib.params_digest(lora.base(params))
+        if latest is None:
+            return
+        try:
+            saved = self.ckpt.meta(latest).get("base_hash")
+        except Exception:  # noqa: BLE001 - unreadable: the restore says why
+            return
+        if saved is not None and saved != self.base_hash:
+            raise ConfigError(
+                f"config field model.path: the base model at {self.cfg.model.path} is not the "
+                f"one the LoRA checkpoint of step {latest} in {self.ckpt.directory} was trained "
+                f"on (base hash {self.base_hash[:12]}, the checkpoint's {saved[:12]}); resume "
+                "with the checkpoint's base model or start anew with another train.out_dir.")
+
+    def _checkpointed(self, state):
+        """What a checkpoint holds of `state`: with LoRA the adapters without
+        the frozen base (whose hash is in the meta), else all of it."""
+        if not self.model_cfg.lora_rank:
+            return state
+        return state.replace(params=step_lib.trainable(state.params, self.model_cfg))
+
     def _restore(self, latest: int) -> dict:
         """Restore the newest intact checkpoint into self.state; return its meta.
 
@@ -227,7 +262,7 @@ class Trainer:
             cause = str(ckpt_lib.root_cause(e)).strip().split(". ")[:1] or [""]
             return f"{type(e).__name__}: {cause[0][:200]}"
         plan = self._resume
-        like = self.state
+        like = self._checkpointed(self.state)
         if plan is not None and plan.ckpt_kl_coef != (like.kl_coef is not None):
             # Restore into the checkpoint's own layout, then apply the plan.
             like = like.replace(kl_coef=jax.device_put(np.float32(0), like.step.sharding)
@@ -259,6 +294,9 @@ class Trainer:
                 print(f"[erpo] {said}; moved to {self.run_dir / 'broken_checkpoints'}, "
                       f"resuming from step {step}, the newest intact checkpoint: steps "
                       f"{step + 1}-{broken[0][0]} are redone.", flush=True)
+        if self.model_cfg.lora_rank:   # the adapters back on this run's base
+            state = state.replace(params=step_lib.with_trainable(
+                self.state.params, state.params, self.model_cfg))
         if plan is not None and plan.kl_coef != "keep":
             coef = self.programs.init_state_kl_coef() if plan.kl_coef == "start" else None
             state = state.replace(kl_coef=coef)
@@ -443,13 +481,21 @@ class Trainer:
             query_group=self.programs.query_group, base=base)
         return out.batch, out.critic_batch, out.info, times, sel.rollout
 
+    def _reference_params(self):
+        """The reference's weights: the copy of the start, or with LoRA the
+        current state's base (the same buffers as the policy's; the update
+        donates the state, so they are read from it at each use)."""
+        if self.model_cfg.lora_rank:
+            return self.programs.reference_params(self.state.params)
+        return self.ref_params
+
     def _dispatch_reference(self, base: RLBatch, ro, times: dict):
         """The reference's response log-probs of `base`'s rows, dispatched (a
         device array; None without Policy-KL)."""
         if not self.recipe.needs_ref_logp:
             return None
         t0 = time.perf_counter()
-        out = self.ref_logp_fn(self.ref_params, *_put((base.tokens, base.attn_mask),
+        out = self.ref_logp_fn(self._reference_params(), *_put((base.tokens, base.attn_mask),
                                                       self.sharding),
                                last=ro.response_tokens.shape[1])
         self.ref_forward_calls += 1
@@ -539,8 +585,9 @@ class Trainer:
         from erpo_jax.rl.kl import kl_estimate
         tok, m = _put((batch.tokens, batch.attn_mask), self.sharding)
         last = self.sampler.sampling.max_new_tokens   # the response columns
-        ref = jnp.asarray(to_host(self.ref_logp_fn(self.ref_params, tok, m, last=last)))
-        cur = jnp.asarray(to_host(self.ref_logp_fn(self.state.params, tok, m, last=last)))
+        ref = jnp.asarray(to_host(self.ref_logp_fn(self._reference_params(), tok, m, last=last)))
+        cur = jnp.asarray(to_host(self.programs.policy_logp_fn(self.state.params, tok, m,
+                                                               last=last)))
         rm = jnp.asarray(batch.response_mask)
         k = kl_estimate(cur, ref, "k3", rm)
         return {"drift/policy_kl_k3": float(jnp.sum(k) / jnp.maximum(jnp.sum(rm), 1))}
@@ -628,12 +675,16 @@ class Trainer:
     def export(self) -> str:
         """The current policy as a Hugging Face directory `<out_dir>/model`
         (weights, config.json, tokenizer, generation_config.json; an HF starting
-        model keeps its own config.json), local or gs://."""
+        model keeps its own config.json), local or gs://. With LoRA that is the
+        merged model, and `<out_dir>/adapter` holds the adapters in PEFT's
+        format (adapter_config.json, adapter_model.safetensors)."""
         out = self.run_dir / MODEL_SUBDIR
         params = to_host(self.state.params)   # every process joins the gather
         if self.primary:
             try:
                 export_policy(params, self.model_cfg, self.tokenizer, self.cfg, out)
+                if self.model_cfg.lora_rank:   # and the adapters as PEFT loads them
+                    export_adapter(params, self.model_cfg, self.cfg, self.run_dir / ADAPTER_SUBDIR)
             except OSError as e:
                 raise OSError(e.errno, f"exporting the final policy to {out} failed "
                               f"({e.strerror or e}); the checkpoint of step {self.cfg.train.steps} "
@@ -643,8 +694,10 @@ class Trainer:
     def _save(self, step: int, force: bool = False) -> None:
         meta = {"step": step, "seed_key": ckpt_lib.key_to_list(self.seed_key),
                 "data": self.iterator.get_state()}
+        if self.model_cfg.lora_rank:
+            meta["base_hash"] = self.base_hash
         try:
-            self.ckpt.save(step, self.state, meta, force=force)
+            self.ckpt.save(step, self._checkpointed(self.state), meta, force=force)
         except Exception as e:  # noqa: BLE001 - one sentence instead of orbax's traceback
             raise ckpt_lib.SaveFailed(self.ckpt.directory, step, self.ckpt.latest_step(), e) \
                 from None

@@ -145,4 +145,9 @@ def describe(cfg) -> str:
     if a.overlong_buffer:
         parts.append(f"overlong shaping (last {a.overlong_buffer} tokens, "
                      f"penalty {a.overlong_penalty:g})")
+    m = cfg.model
+    if m.lora_rank:
+        targets = ",".join(m.lora_targets) if m.lora_targets else "all linear"
+        parts.append(f"LoRA (rank {m.lora_rank}, alpha {m.lora_alpha:g}, {targets}; base "
+                     "frozen, reference = base)")
     return "[erpo] " + ", ".join(parts)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from erpo_jax.model import lora
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import PRESETS
 from erpo_jax.model.hf import export_hf, load_hf
@@ -19,6 +21,7 @@ from erpo_jax.runtime import rundir
 from erpo_jax.train.tasks import Tokenizer, load_tokenizer
 
 MODEL_SUBDIR = "model"   # <out_dir>/model: the exported policy of `erpo sft` and `erpo train`
+ADAPTER_SUBDIR = "adapter"   # <out_dir>/adapter: a LoRA run's adapters, in PEFT's format
 
 
 def build_sharding(cfg: RunConfig) -> Sharding:
@@ -85,7 +88,21 @@ def load_policy(cfg: RunConfig, sharding: Sharding | None):
         params = model_lib.init_params(model_cfg, jax.random.key(cfg.train.seed), sharding)
         tokenizer = load_tokenizer(None)
     check_vocab(model_cfg, tokenizer)
+    if m.lora_rank:
+        # The base as loaded (the same weights full fine-tuning starts from),
+        # with fresh adapters beside it: B = 0, so the policy is the base.
+        from erpo_jax.train.config import check_lora
+        check_lora(cfg, model_cfg)
+        model_cfg = dataclasses.replace(model_cfg, lora_rank=m.lora_rank,
+                                        lora_alpha=float(m.lora_alpha),
+                                        lora_targets=tuple(m.lora_targets))
+        adapters = lora.init_adapters(model_cfg, jax.random.fold_in(
+            jax.random.key(cfg.train.seed), LORA_STREAM), sharding)
+        params = lora.attach(params, adapters)
     return model_cfg, params, tokenizer
+
+
+LORA_STREAM = 0x10A   # the adapters' initialisation draws fold_in(key(train.seed), this)
 
 
 def check_vocab(model_cfg, tokenizer: Tokenizer) -> None:
@@ -113,10 +130,31 @@ def check_finite(params, what: str) -> None:
                          "do); the weights are corrupt: restore or re-export them.")
 
 
+def export_adapter(params, model_cfg, cfg: RunConfig, out_dir):
+    """A LoRA policy's adapters in PEFT's format (`lora.export_peft`), for the
+    base at model.path; a remote `out_dir` is written locally, then copied."""
+    import os
+    m = cfg.model
+    base = os.path.abspath(m.path) if m.init in ("sft", "hf") else ""
+    out = rundir.path(out_dir)
+    if not rundir.is_remote(out):
+        lora.export_peft(params, model_cfg, out, base)
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        lora.export_peft(params, model_cfg, tmp, base)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in Path(tmp).iterdir():
+            rundir.write_atomic(out / f.name, f.read_bytes())
+    return out
+
+
 def export_policy(params, model_cfg, tokenizer: Tokenizer, cfg: RunConfig, out_dir):
     """Write the policy as a Hugging Face directory plus its tokenizer (what
     `model.init='sft'`/'hf' loads); an HF starting model keeps its own config.json.
-    A remote `out_dir` is written locally first, then copied."""
+    A LoRA policy is written merged (W + s A B, `lora.merge`), as its base's
+    architecture. A remote `out_dir` is written locally first, then copied."""
+    if model_cfg.lora_rank:
+        params, model_cfg = lora.merge(params, model_cfg), lora.base_config(model_cfg)
     hf_config = None
     if cfg.model.init == "hf":
         hf_config = json.loads(rundir.path(cfg.model.path, ).joinpath("config.json").read_text())

@@ -37,6 +37,7 @@ from erpo_jax.rl.recipe import recipe
 from erpo_jax.rl.shaping import shaped_advantages
 from erpo_jax.rollout.engine import engine_for
 from erpo_jax.rollout.types import DecodeLoop, Engine
+from erpo_jax.model import lora
 from erpo_jax.train import train_step as step_lib
 from erpo_jax.train.config import RunConfig
 
@@ -94,11 +95,15 @@ class Programs:
         self.sampler, self.eval_greedy, self.eval_sampled = (
             engine_for(cfg, model_cfg, purpose, eos_ids, pad_id, sharding)
             for purpose in ("rollout", "eval greedy", "eval sampled"))
-        self.ref_logp_fn = step_lib.make_logprob_fn(model_cfg, r.temperature, chunk, sharding,
-                                                    row_chunks=o.micro_batches,
-                                                    group_size=self.query_group)
+        # The reference is the base model: with LoRA, the policy's own base
+        # weights under the base config (`reference_params`), never a copy.
+        self.ref_cfg = ref_cfg = lora.base_config(model_cfg)
+        logp_fn = lambda mc: step_lib.make_logprob_fn(mc, r.temperature, chunk, sharding,
+                                                      row_chunks=o.micro_batches,
+                                                      group_size=self.query_group)
+        self.ref_logp_fn, self.policy_logp_fn = logp_fn(ref_cfg), logp_fn(model_cfg)
         self.t1_logp_fn = step_lib.make_logprob_fn(model_cfg, 1.0, chunk, sharding)
-        self.ref_pass_fn = ref_lib.make_pass_fn(model_cfg, chunk, sharding)
+        self.ref_pass_fn = ref_lib.make_pass_fn(ref_cfg, chunk, sharding)
         self.shapes_rewards = rec.shapes_rewards
         self.advantages_fn = self._make_advantages_fn()
         self.values_fn = None
@@ -152,7 +157,8 @@ class Programs:
     def _state_from(self, params, critic):
         z = jnp.zeros((), jnp.int32)
         return step_lib.TrainState(
-            step=z, params=params, opt_state=self.tx.init(params), critic=critic,
+            step=z, params=params,
+            opt_state=self.tx.init(step_lib.trainable(params, self.model_cfg)), critic=critic,
             critic_opt=None if critic is None else self.critic_tx.init(critic),
             nonfinite=z, skipped=z,
             kl_coef=None if self._kl_coef0() is None else jnp.zeros((), jnp.float32))
@@ -167,7 +173,8 @@ class Programs:
 
         return shapes.replace(
             step=_abstract(shapes.step, rep), params=params,
-            opt_state=opt_like(shapes.opt_state, self.tx, params),
+            opt_state=opt_like(shapes.opt_state, self.tx,
+                               step_lib.trainable(params, self.model_cfg)),
             critic=critic,
             critic_opt=None if critic is None else opt_like(shapes.critic_opt, self.critic_tx,
                                                             critic),
@@ -177,7 +184,14 @@ class Programs:
     def init_state(self, params, critic=None) -> step_lib.TrainState:
         """A fresh state for loaded parameters, committed to `state_shardings`."""
         return step_lib.init_state(params, self.tx, critic, self.critic_tx, self.sharding,
-                                   shardings=self.state_shardings, kl_coef=self._kl_coef0())
+                                   shardings=self.state_shardings, kl_coef=self._kl_coef0(),
+                                   model_cfg=self.model_cfg)
+
+    def reference_params(self, params):
+        """The reference's parameters in the policy's `params`: with LoRA its
+        base (the same buffers; the reference is the base with the adapters
+        off), else `params` itself (the Trainer keeps a copy of the start)."""
+        return lora.base(params) if self.model_cfg.lora_rank else params
 
     def init_state_kl_coef(self):
         """A fresh adaptive coefficient (loss.beta_policy), placed as
@@ -220,7 +234,8 @@ class Programs:
 
     def lower_reference_forward(self, params, T: int):
         rows = self.B * self.G
-        return self.ref_logp_fn.lower(params, self._rows(rows, T, dtype=jnp.int32),
+        return self.ref_logp_fn.lower(self.reference_params(params),
+                                      self._rows(rows, T, dtype=jnp.int32),
                                       self._rows(rows, T, dtype=jnp.bool_),
                                       last=self.cfg.rollout.max_new_tokens)
 
@@ -264,7 +279,8 @@ class Programs:
         rb, width = cfg.train.ref_batch_size, ref_lib.bucket(P_max + 1)
         out.append(Program("reference pass", f"{rb} queries x {width} tokens",
                            lambda: self.ref_pass_fn.lower(
-                               params, self._rows(rb, width, dtype=jnp.int32),
+                               self.reference_params(params),
+                               self._rows(rb, width, dtype=jnp.int32),
                                self._rows(rb, width, dtype=jnp.bool_)), rb, rb * width))
         return out
 

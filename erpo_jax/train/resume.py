@@ -15,6 +15,10 @@ The rules (the run header prints the ones that apply):
 - a critic added or dropped (`algo.advantage` to or from 'gae'): refused; a
   checkpoint without a critic has no value head to resume, and one with a
   critic would silently lose it;
+- the LoRA settings (`model.lora_rank`, `lora_alpha`, `lora_targets`)
+  changed: refused; the checkpoint's adapters and their optimizer state are
+  of its shape and scale (a different base model is refused by its hash,
+  in the Trainer);
 - the rollout engine and its pool (`rollout.engine`, `slots`, `refill`):
   speed, not the run; accepted without `allow_config_change`
   (runtime/rundir.py SPEED_ON_RESUME).
@@ -58,6 +62,18 @@ def plan(old, new) -> ResumePlan:
             + ("its value head would be dropped" if ro.needs_critic
                else "there is no value head to resume")
             + f"); resume with algo.advantage={old.algo.advantage!r} or start anew with another "
+            "train.out_dir.")
+    mo, mn = old.model, new.model
+    lora_old = (mo.lora_rank, mo.lora_alpha, tuple(mo.lora_targets))
+    lora_new = (mn.lora_rank, mn.lora_alpha, tuple(mn.lora_targets))
+    if lora_old != lora_new:
+        said = lambda m: (f"lora_rank={m.lora_rank}, lora_alpha={m.lora_alpha:g}, "
+                          f"lora_targets={list(m.lora_targets)}" if m.lora_rank
+                          else "lora_rank=0 (full fine-tuning)")
+        raise ConfigError(
+            f"config field model.lora_rank: the checkpoint was made with {said(mo)}, and its "
+            f"parameters and optimizer state are of that shape; {said(mn)} cannot resume it. "
+            "Resume with the checkpoint's LoRA settings or start anew with another "
             "train.out_dir.")
     notes = []
     b_old, b_new = old.loss.beta_policy, new.loss.beta_policy

@@ -61,6 +61,11 @@ def pack(seqs, plens, idx, width: int, pad_id: int):
 
 def run_sft(cfg: RunConfig) -> dict:
     """Train, evaluate, export. Resumes from `<out_dir>/checkpoints` if present."""
+    if cfg.model.lora_rank:
+        from erpo_jax.train.config import ConfigError
+        raise ConfigError(f"config field model.lora_rank: is {cfg.model.lora_rank}, but "
+                          "`erpo sft` trains the whole model; LoRA is for `erpo train` (RL). "
+                          "Set model.lora_rank=0 for SFT.")
     run: dict = {}
 
     def claim(cfg: RunConfig, sharding) -> None:

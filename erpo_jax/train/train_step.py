@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from erpo_jax.runtime import xla_options
+from erpo_jax.model import lora
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.logprobs import token_logprobs
@@ -39,11 +40,23 @@ from erpo_jax.rl.terms import pg as pg_term
 from erpo_jax.train.config import AlgoSection, OptimSection
 
 
+def trainable(params, model_cfg: ModelConfig):
+    """What the update trains of the policy's parameters: all of them, or with
+    LoRA (`model_cfg.lora_rank`) the adapters alone (model/lora.py)."""
+    return lora.adapters(params) if model_cfg.lora_rank else params
+
+
+def with_trainable(params, new, model_cfg: ModelConfig):
+    """The policy's parameters with their trainable part replaced by `new`."""
+    return lora.attach(lora.base(params), new) if model_cfg.lora_rank else new
+
+
 @flax.struct.dataclass
 class TrainState:
     """Everything an update changes. critic / critic_opt are None unless PPO;
     kl_coef is None unless the Policy-KL coefficient is adaptive
-    (`loss.kl_target`, rl/kl_control.py)."""
+    (`loss.kl_target`, rl/kl_control.py). params: the whole policy, base
+    included under LoRA; opt_state: of its `trainable` part only."""
 
     step: jax.Array  # int32[] optimizer updates applied so far
     params: Any
@@ -75,13 +88,15 @@ def make_optimizer(o: OptimSection, total_updates: int, lr: float | None = None)
 
 def init_state(params, tx, critic_params=None, critic_tx=None,
                sharding: Sharding | None = None, shardings=None,
-               kl_coef: float | None = None) -> TrainState:
+               kl_coef: float | None = None, model_cfg: ModelConfig | None = None
+               ) -> TrainState:
     """A fresh state; optimizer moments are created by a jitted init, so they
     inherit the parameters' shardings (nothing is built unsharded). Counters
     are replicated over the mesh of `sharding`. shardings: the TrainState's
     shardings to commit to (`Programs.state_shardings`, what the update's
     program was built for); default: where the leaves were made. kl_coef:
-    the adaptive Policy-KL coefficient's initial value (None: not adaptive)."""
+    the adaptive Policy-KL coefficient's initial value (None: not adaptive).
+    model_cfg: with LoRA, the optimizer's state is of the adapters only."""
     where = sharding.replicated() if sharding is not None else None
     # Distinct buffers (the state is donated), placed with the parameters.
     zero = lambda: jax.device_put(np.zeros((), np.int32), where)
@@ -96,7 +111,8 @@ def init_state(params, tx, critic_params=None, critic_tx=None,
     once = xla_options.for_once()
     init_opt = lambda tx, p: on_mesh(jax.jit(tx.init, compiler_options=once)(p))
     state = TrainState(
-        step=zero(), params=params, opt_state=init_opt(tx, params),
+        step=zero(), params=params,
+        opt_state=init_opt(tx, params if model_cfg is None else trainable(params, model_cfg)),
         critic=critic_params,
         critic_opt=None if critic_params is None else init_opt(critic_tx, critic_params),
         nonfinite=zero(), skipped=zero(),
@@ -196,9 +212,14 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
     n_micro = micro_batches
     # Gradients (and their accumulator) sharded as the parameters, not left to
     # the partitioner, which may replicate them (a full float32 copy per chip).
-    param_sh = None if state_shardings is None else state_shardings.params
+    param_sh = (None if state_shardings is None
+                else trainable(state_shardings.params, model_cfg))
     like_params = ((lambda g: g) if param_sh is None
                    else (lambda g: jax.lax.with_sharding_constraint(g, param_sh)))
+    # With LoRA the gradient is taken of the adapters alone: the base enters
+    # the loss as a constant (no gradient, accumulator or optimizer state).
+    part = lambda p: trainable(p, model_cfg)
+    whole = lambda frozen, t: lora.attach(frozen, t) if model_cfg.lora_rank else t
 
     adaptive, draws = loss_cfg.adaptive_kl, loss_cfg.needs_key
     # A policy loss that selects tokens by a statistic of the batch selects
@@ -212,9 +233,9 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                               sharding=sharding, response_columns=response_width,
                               group_size=query_group)
 
-    def micro_loss(params, mb: RLBatch, shares, coef, key, selected):
-        terms, metrics = loss_terms(stats_of(params, mb), mb, loss_cfg, coef=coef, key=key,
-                                    selected=selected)
+    def micro_loss(params, frozen, mb: RLBatch, shares, coef, key, selected):
+        terms, metrics = loss_terms(stats_of(whole(frozen, params), mb), mb, loss_cfg,
+                                    coef=coef, key=key, selected=selected)
         loss = sum(shares[k] * terms[k] for k in terms)
         return loss, (terms, metrics)
 
@@ -236,6 +257,9 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
         # bfloat16 accumulation would round.
         compute_params = {**model_lib.in_compute_dtype(state.params, model_cfg),
                           "embed": state.params["embed"]}
+        # LoRA: the frozen base (compute dtype) and the float32 adapters apart.
+        frozen = lora.base(compute_params) if model_cfg.lora_rank else None
+        train_params = part(state.params) if model_cfg.lora_rank else compute_params
         N = batch.tokens.shape[0]
         m = N // n_micro
         gid = (jnp.arange(m, dtype=jnp.int32) // group_size)
@@ -254,7 +278,7 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
             mb, cnt, cmb, sel = xs
             shares = {k: cnt[k] / totals[k] for k in cnt}
             (loss, (terms, metrics)), g = jax.value_and_grad(micro_loss, has_aux=True)(
-                compute_params, mb, shares, coef, step_key, sel)
+                train_params, frozen, mb, shares, coef, step_key, sel)
             g = like_params(g)
             grads = jax.tree_util.tree_map(jnp.add, acc["grads"], g)
             out = {"grads": grads, "loss": acc["loss"] + loss}
@@ -268,7 +292,8 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
                 metrics = {**metrics, **vmet}
             return out, (metrics, terms)
 
-        acc0 = {"grads": like_params(jax.tree_util.tree_map(jnp.zeros_like, state.params)),
+        acc0 = {"grads": like_params(jax.tree_util.tree_map(jnp.zeros_like,
+                                                            part(state.params))),
                 "loss": jnp.zeros((), jnp.float32)}
         if critic_batch is not None:
             acc0["critic_grads"] = jax.tree_util.tree_map(jnp.zeros_like, state.critic)
@@ -278,9 +303,10 @@ def build_update(model_cfg: ModelConfig, loss_cfg: LossConfig, algo: AlgoSection
             grads = nan_injector(grads)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(acc["loss"]) & jnp.isfinite(grad_norm)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        params = _select(ok, new_params, state.params)
+        trained = part(state.params)
+        updates, new_opt = tx.update(grads, state.opt_state, trained)
+        params = with_trainable(state.params, _select(ok, optax.apply_updates(trained, updates),
+                                                      trained), model_cfg)
         opt_state = _select(ok, new_opt, state.opt_state)
         critic, critic_opt = state.critic, state.critic_opt
         out_metrics = {k: jnp.mean(v) for k, v in metrics.items()}
