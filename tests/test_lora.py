@@ -343,3 +343,23 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(lora_run, s
     assert "config field model.path: the base model at" in said
     assert "is not the one the LoRA checkpoint of step 4" in said
     assert not (again / "checkpoints" / "5").exists()
+
+
+def test_inspect_grads_reads_a_runs_peft_adapters(lora_run, tmp_path, capsys):
+    """`erpo inspect-grads --checkpoint <out_dir>/adapter`: the policy is the
+    base (model.path) with the run's adapters; the gradients are the
+    adapters'; Query-KL's response zeros hold on the run's sampled batch."""
+    from erpo_jax.train.config import save_config
+    out, args = lora_run
+    cfg_file, rep_file = tmp_path / "config.json", tmp_path / "report.json"
+    save_config(load_config(None, args), cfg_file)
+    assert cli.main(["inspect-grads", "--config", str(cfg_file), "--checkpoint",
+                     str(out / "adapter"), "--unit", "--json", str(rep_file)]) == 0
+    rep = json.loads(rep_file.read_text())
+    assert rep["parameters"].startswith("the LoRA adapters (rank 8")
+    t = rep["terms"]
+    assert t["query_kl"]["logit_grad_response"] == 0.0 and t["query_kl"]["value"] > 0
+    assert t["pg"]["logit_grad_query"] == 0.0
+    assert t["query_kl"]["param_grad_norm"] > 0
+    assert str(out / "adapter") in rep["source"]["model"]
+    assert "theta here: the LoRA adapters" in capsys.readouterr().out

@@ -252,6 +252,7 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
 def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool,
           strict_only: bool = False) -> dict:
     from erpo_jax.runtime.distributed import plan_mesh
+    from erpo_jax.model import lora as lora_lib
     from erpo_jax.model.config import PRESETS, from_hf_config
     from erpo_jax.model.hf import read_config
     from erpo_jax.model.sharding import Sharding, make_mesh
@@ -274,6 +275,10 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
                              f"{sorted(PRESETS)} (and model.path has no config.json).")
         model_cfg = dataclasses.replace(PRESETS[m.preset], **numerics)
         shapes_from = f"preset {m.preset}"
+    if m.lora_rank:   # the base's shapes with the run's adapters (train.policy.load_policy)
+        model_cfg = dataclasses.replace(model_cfg, lora_rank=m.lora_rank,
+                                        lora_alpha=float(m.lora_alpha),
+                                        lora_targets=tuple(m.lora_targets))
     # Token ids change no shape: any valid EOS and pad id compile the same programs.
     progs = Programs(cfg, model_cfg, Sharding(mesh), eos_ids=(0,), pad_id=0)
     chips = len(devices)
@@ -282,6 +287,10 @@ def _plan(cfg, top: Topology, margin: float, only: tuple, say, decode_step: bool
               "source": SOURCE, "mesh": dict(zip(("data", "fsdp", "tensor"), shape)),
               "chips": chips, "hosts": top.hosts, "model": shapes_from,
               "params": model_cfg.num_params(), "margin": margin,
+              "lora": ({"rank": model_cfg.lora_rank, "alpha": model_cfg.lora_alpha,
+                        "targets": list(model_cfg.lora_target_names),
+                        "adapter_params": lora_lib.count(model_cfg)}
+                       if model_cfg.lora_rank else None),
               "notes": ["per chip; peak = arguments + outputs - aliased + temporaries + code",
                         "collectives (ICI/DCN all-gathers, reduce-scatters) are not in the "
                         "roofline", "estimated_ms is a roofline estimate, not a measurement",
@@ -471,8 +480,8 @@ def _formula_gib(cfg, prog, top: Topology, mesh_shape, data_size: int) -> float 
     from erpo_jax.model.config import PRESETS
     from erpo_jax.tools.bench import memory_estimate
     m = cfg.model
-    if prog.name not in ("rollout", "update") or m.preset not in PRESETS:
-        return None
+    if prog.name not in ("rollout", "update") or m.preset not in PRESETS or m.lora_rank:
+        return None   # (the formula is full fine-tuning's)
     micro = max(1, prog.rows // max(1, cfg.optim.micro_batches) // data_size)
     est = memory_estimate(m.preset, top.name, top.chips, top.hbm_gib, mesh_shape,
                           prog.rows if prog.name == "rollout" else 1,

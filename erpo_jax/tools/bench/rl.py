@@ -38,14 +38,15 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
                   beta_policy: float = BETA_POLICY, mesh=(-1, 1, 1),
                   compile_cache: str = "off", temperature: float = 1.0, top_k: int = 0,
                   optim: dict | None = None, share_query: bool = True, engine: str = "auto",
-                  eos_bias: float = 0.0):
+                  eos_bias: float = 0.0, lora_rank: int = 0):
     """A Trainer on a random `preset` model whose training prompts are padded to
     `prompt_len` tokens (the arithmetic task), yielded with its setup seconds:
     the RL iteration of `rl_iteration` (and of a profile of it) without its timing.
     engine: rollout.engine. eos_bias: added to the sampler's logits of the
     tokenizer's EOS ids (a random model's responses then end at EOS with a
     probability set by the bias: the peer's `varied` config, `tunix_varied.py`;
-    the update's log-probs do not see it)."""
+    the update's log-probs do not see it). lora_rank: model.lora_rank (0: full
+    fine-tuning)."""
     from erpo_jax.train import loop as loop_lib
     from erpo_jax.train import startup
     from erpo_jax.train.config import (AlgoSection, DataSection, MeshSection, ModelSection,
@@ -53,7 +54,8 @@ def bench_trainer(name: str, preset: str, prompts: int, group: int, prompt_len: 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(
             name=f"bench-{name}", model=ModelSection(init="random", preset=preset,
-                                                      share_query=share_query),
+                                                      share_query=share_query,
+                                                      lora_rank=lora_rank),
             data=DataSection(n_train=max(64, prompts), n_test=4, max_prompt_len=prompt_len),
             rollout=RolloutSection(group_size=group, max_new_tokens=new_tokens,
                                    temperature=temperature, top_k=top_k, engine=engine),
