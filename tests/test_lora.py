@@ -345,6 +345,7 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(lora_run, s
     assert not (again / "checkpoints" / "5").exists()
 
 
+@pytest.mark.long   # the report's gradients: test_query_kl_zeros_hold_on_the_adapters
 def test_inspect_grads_reads_a_runs_peft_adapters(lora_run, tmp_path, capsys):
     """`erpo inspect-grads --checkpoint <out_dir>/adapter`: the policy is the
     base (model.path) with the run's adapters; the gradients are the

@@ -47,12 +47,16 @@ def _rows(run_dir):
 
 @pytest.mark.slow
 # The paged engine's pool is the continuous one's plus its page book and page
-# writes, so the default case runs it; the continuous engine is the long variant.
-@pytest.mark.long(when=lambda p: p["engine"] == "continuous")
-@pytest.mark.parametrize("engine", ["paged", "continuous"])
+# writes, so the default case runs it; the continuous engine and LoRA (rank-8
+# adapters on the paged engine, sharded as their base layers over the two
+# processes' devices) are the long variants.
+@pytest.mark.long(when=lambda p: p["engine"] != "paged")
+@pytest.mark.parametrize("engine", ["paged", "continuous", "paged-lora"])
 def test_two_process_training_matches_one_process(sft_model, tmp_path, engine):
     multi, single = tmp_path / "m" / "run", tmp_path / "s" / "run"  # reference caches apart
-    extra = [*EXTRA, f"rollout.engine={engine}", "rollout.page_size=8"]
+    lora = ["model.lora_rank=8", "optim.lr=1e-2"] if engine.endswith("-lora") else []
+    extra = [*EXTRA, f"rollout.engine={engine.removesuffix('-lora')}", "rollout.page_size=8",
+             *lora]
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("TPU_WORKER_HOSTNAMES",
                                                            "MEGASCALE_NUM_SLICES")}
