@@ -35,6 +35,12 @@ class ModelSection:
     init: 'sft' (the checkpoint `erpo sft` wrote to `path`, the embedded task's
       default), 'hf' (a local Hugging Face directory at `path`) or 'random'
       (a random model of `preset`, for smoke tests).
+    lora_rank: low-rank adapters (model/lora.py): 0 = full fine-tuning; above
+      0 the base is frozen (param_dtype may be bfloat16), float32 adapters on
+      lora_targets are trained, and the reference is the base.
+    lora_alpha: the adapters' scale is lora_alpha / lora_rank.
+    lora_targets: the projections that get adapters (q_proj, k_proj, v_proj,
+      o_proj, gate_proj, up_proj, down_proj); empty = all of them.
     """
 
     init: str = "sft"
@@ -51,10 +57,6 @@ class ModelSection:
     # rollout.group_size. Off where a micro-batch's queries do not split
     # evenly over the mesh's data-parallel size (Programs.query_group).
     share_query: bool = True
-    # Low-rank adapters (model/lora.py): rank 0 = full fine-tuning; above 0
-    # the base is frozen (param_dtype may be bfloat16), float32 adapters on
-    # lora_targets (empty = every attention and MLP projection) are trained
-    # with scale lora_alpha / lora_rank, and the reference is the base.
     lora_rank: int = 0
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = ()
