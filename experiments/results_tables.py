@@ -885,6 +885,60 @@ def slip_stabilizer_wall_table() -> list[str]:
     return _wall_lines(sweeps)
 
 
+def slip_lora_tuning_table() -> list[str]:
+    """LoRA's learning rate per method on the validation split (rank 8, seed 0)."""
+    mod, by = _experiment("slip_lora"), runs("slip_lora")
+    lines = ["| method | lr | final validation greedy pass@1 | final drift | chosen |",
+             "|---|---|---|---|---|"]
+    for m in mod.METHODS:
+        for lr in mod.TUNE_LRS:
+            rs = by[mod.tuning_name(m, lr)]
+            greedy = " / ".join(f"{100 * _final(r, 'greedy_acc'):.1f}" for r in rs)
+            lines.append(f"| {LABELS[m]} | {lr:g} | {greedy} | "
+                         f"{_mean(_drifts(rs)):.3f} | "
+                         f"{'**yes**' if mod.CHOSEN_LR[m] == lr else ''} |")
+    return lines
+
+
+def _lora_rows(mod) -> dict:
+    """{(method, rank or 'full'): runs of seeds 0..2}: LoRA from slip_lora,
+    full fine-tuning from slip_temperature (the same runs at rank 0)."""
+    by, full = runs("slip_lora"), runs("slip_temperature")
+    seeds = {0, 1, 2}
+    out = {}
+    for m in mod.METHODS:
+        out[m, "full"] = [r for r in full[f"{m}-T{mod.TEMPERATURE:g}"]
+                          if r["config"]["train"]["seed"] in seeds]
+        for rank in mod.RANKS:
+            out[m, rank] = by.get(f"{m}-lora{rank}", [])
+    return out
+
+
+def slip_lora_table() -> list[str]:
+    """ERPO and GRPO + Policy-KL under LoRA ranks 1, 8, 32 against full
+    fine-tuning (T 1.5, 100 steps, 3 seeds): final greedy pass@1, ERPO's lead
+    under the CI rule, and each rank's cost against full fine-tuning."""
+    mod = _experiment("slip_lora")
+    rows = _lora_rows(mod)
+    lines = ["| trained | ERPO final greedy pass@1 | GRPO + Policy-KL | ERPO − GRPO + Policy-KL "
+             "(95% CI) | ERPO's lead | ERPO: this − full | GRPO + Policy-KL: this − full | "
+             "final drift ERPO / GRPO + PKL |",
+             "|---|---|---|---|---|---|---|---|"]
+    acc = lambda rs: [_final(r, "greedy_acc") for r in rs]
+    for key in ("full", *mod.RANKS):
+        e, g = rows["erpo", key], rows["grpo+policy_kl", key]
+        if not e or not g:
+            continue
+        diff, eff = _diff(acc(e), acc(g))
+        label = "full fine-tuning" if key == "full" else f"LoRA rank {key}"
+        cost = ["", ""] if key == "full" else [
+            _diff(acc(rows[m, key]), acc(rows[m, "full"]))[0] for m in mod.METHODS]
+        lines.append(f"| {label} | {_pct(acc(e))} | {_pct(acc(g))} | {diff} | "
+                     f"{_ci_verdict([eff], +1)} | {cost[0]} | {cost[1]} | "
+                     f"{_mean(_drifts(e)):.2f} / {_mean(_drifts(g)):.2f} |")
+    return lines
+
+
 TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "temperature": temperature_table, "long_horizon": long_horizon_table,
           "ablations": ablations_table, "slip_verdicts": slip_verdict_table,
@@ -901,7 +955,8 @@ TABLES = {"wall": wall_table, "main": main_table, "drift": drift_table,
           "slip_stabilizers": slip_stabilizers_table,
           "slip_stabilizer_verdicts": slip_stabilizer_verdicts_table,
           "slip_stabilizer_old_new": slip_stabilizer_old_new_table,
-          "slip_stabilizer_wall": slip_stabilizer_wall_table}
+          "slip_stabilizer_wall": slip_stabilizer_wall_table,
+          "slip_lora_tuning": slip_lora_tuning_table, "slip_lora": slip_lora_table}
 GRID_PNG = RESULTS / "slip_grid" / "grid.png"
 
 

@@ -31,7 +31,7 @@ import pytest  # noqa: E402
 # to the workers first: under --dist loadfile a file runs whole on one worker, and
 # a long file dealt out last leaves the other worker idle until it ends.
 LONGEST_FIRST = ("test_train.py", "test_engines.py", "test_model.py", "test_real_path.py",
-                 "test_plan.py", "test_faults.py", "test_sampler.py", "test_bench.py",
+                 "test_plan.py", "test_lora.py", "test_faults.py", "test_sampler.py", "test_bench.py",
                  "test_sharding.py", "test_experiments.py", "test_paged_engine.py",
                  "test_method_run.py", "test_demo.py", "test_multihost_train.py",
                  "test_stabilizers.py", "test_resume_changes.py", "test_readme_example.py",
