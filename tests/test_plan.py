@@ -124,12 +124,21 @@ def test_plan_estimates_both_rollout_engines_on_a_length_distribution(tmp_path):
     assert est["estimated_ms"] == pytest.approx(ms)
     assert est["slot_utilization"] == pytest.approx((lengths - 1).sum() / sched["slot_steps"])
     assert "rollout estimate (continuous engine)" in proc.stdout
+    # The largest pool: the room the largest rollout program leaves, in slots of
+    # a slot's cache per chip: 16 + 8 entries aligned to 128, each 2 layers x K, V
+    # x 2 heads x 16 float32 = 512 bytes, spread over the 4 data shards.
+    pool, limit = rep["pool_capacity"], 16 * 2**30 * (1 - rep["margin"])
+    assert pool["free_bytes"] == pytest.approx(limit - max(p["peak_bytes"] for p in by.values()))
+    assert pool["slot_bytes"] == 128 * 512 / 4 and pool["slots_now"] == 4
+    assert pool["slots"] == 4 + 4 * int(pool["free_bytes"] // (4 * pool["slot_bytes"]))
+    assert f"rollout.slots={pool['slots']:,}" in proc.stdout
 
     proc, rep = _cli(tmp_path, *TINY, "rollout.engine=static",
                      "--only", "rollout", "--lengths", spec)
     assert proc.returncode == 0, proc.stderr[-2000:]
     est = rep["rollout_estimate"]
     assert est["engine"] == "static" and est["decode_steps"] == static_steps(lengths, 8)
+    assert "pool_capacity" not in rep      # its calls' rows are rollout.max_prompts_per_call's
     assert np.isfinite(est["estimated_ms"]) and est["estimated_ms"] > 0
     bad, _ = _cli(tmp_path, *TINY, "--only", "rollout", "--lengths", "uniform:3")
     assert bad.returncode == 2 and "lognormal:MEDIAN:SIGMA" in bad.stderr
@@ -167,6 +176,9 @@ def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
     else:   # a compute-bound step: its time in bytes is more than it reads
         assert est["step_bytes"] > step["step_bytes_accessed"] + est["kv_read_per_step_bytes"]
     assert "rollout estimate (paged engine)" in proc.stdout and "page table" in proc.stdout
+    # rollout.kv_pages=0: the pages grow with the slots (a slot's 4 pages of 8 entries).
+    pool = rep["pool_capacity"]
+    assert pool["slot_bytes"] == 4 * 8 * 512 / 4 and pool["slots"] > 4
     bad, _ = _cli(tmp_path, *TINY, "--only", "rollout", "--prompt-lengths", "x")
     assert bad.returncode == 2 and "--prompt-lengths 'x'" in bad.stderr
 
@@ -241,3 +253,26 @@ def test_suggest_finds_the_boundary_where_programs_stop_fitting():
     assert k in micros[1:], k
     assert plan_lib.fits(mb(k), top, margin, ("update",))
     assert not plan_lib.fits(mb(micros[micros.index(k) - 1]), top, margin, ("update",))
+
+
+def test_pool_capacity_counts_slots_or_pages_per_chip():
+    """The largest pool in the room a chip has left, without compiling: whole
+    steps of the data-parallel size (continuous, and paged with
+    rollout.kv_pages = 0, whose pages grow with its slots) or of pages (paged
+    at a set kv_pages, whose slots wait on its pages)."""
+    from erpo_jax.model.config import PRESETS
+    from erpo_jax.rollout.continuous import ContinuousEngine
+    from erpo_jax.rollout.paged import PagedEngine
+    from erpo_jax.rollout.types import SamplingConfig
+    cfg = PRESETS["tiny"]
+    sc = SamplingConfig(num_samples=2, max_new_tokens=8, temperature=1.0, max_prompt_len=16)
+    entry = 2 * 2 * 2 * 16 * 4          # layers x K, V x heads x head size x float32
+    cont = ContinuousEngine(cfg, sc, slots=4)
+    one = cont.cache_length(16) * entry
+    assert cont.pool_capacity(16, 10.5 * one) == {"slots": 14, "slots_now": 4, "slot_bytes": one}
+    assert cont.pool_capacity(16, -1.0)["slots"] == 4
+    paged = PagedEngine(cfg, sc, slots=4, page_size=8)
+    assert paged.pool_capacity(16, 3 * 4 * 8 * entry)["slots"] == 7    # 2 prompt + 2 own pages
+    fixed = PagedEngine(cfg, sc, slots=4, page_size=8, kv_pages=16)
+    cap = fixed.pool_capacity(16, 5.5 * 8 * entry)
+    assert cap["kv_pages"] == 21 and cap["kv_pages_now"] == 16 and cap["slots_at_longest"] == 5

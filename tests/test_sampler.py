@@ -546,3 +546,42 @@ def test_decode_step_moves_activations_not_weights(params, monkeypatch):
     monkeypatch.setattr(Sharding, "weight_stationary", lambda self: self)
     hlo = sampler.lower_decode_step(abstract, 4, 8).compile().as_text()
     assert sum(n >= smallest_matrix for n in _all_gather_sizes(hlo)) >= 4 * CFG.num_layers
+
+
+def test_head_choose_on_a_vocabulary_split_head_is_choose_on_the_logits():
+    """A decode step's draw on the head's vocabulary slices (8 chips of 32
+    tokens, blocks of 16; `head.split_draw`) takes the same tokens as
+    `choose` on the gathered logits, for a dense grid of uniforms, with EOS
+    masked on the rows still under min_new_tokens; logp agree to rounding."""
+    from erpo_jax.rollout.choice import choose
+    from erpo_jax.rollout.head import decode_head_axes, head_choose, head_logits
+    sharding = Sharding(make_mesh((2, 2, 2)))
+    assert decode_head_axes(CFG, sharding) == (None, "head_vocab")
+    rng = np.random.RandomState(0)
+    R, N = 512, 4
+    h = jnp.asarray(np.repeat(rng.normal(size=(4, CFG.hidden_size)), R // 4, 0), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(CFG.hidden_size, CFG.vocab_size)) * 0.5, jnp.float32)
+    grid = (np.arange(R // 4) + 0.5) / (R // 4)
+    uniforms = jnp.asarray(np.repeat(np.tile(grid, 4)[:, None], N, 1), jnp.float32)
+    step = jnp.asarray(np.arange(R) % 2 * 3, jnp.int32)            # rows at steps 0 and 3
+    keys = jax.random.split(jax.random.key(0), R)
+    sc = SamplingConfig(max_new_tokens=N, temperature=0.7, eos_ids=(5, 200), min_new_tokens=2)
+    want_tok, want_lp = choose(head_logits(h, head, CFG), keys, uniforms, step, sc)
+    split = jax.jit(lambda h, w: head_choose(
+        h, sharding.constrain(w, decode_head_axes(CFG, sharding)), keys, uniforms, step, sc,
+        CFG, sharding))
+    tok, lp = split(h, head)
+    assert lp.sharding.spec[0] == ("data", "fsdp")                  # on the rows' chips
+    tok, want_tok = np.asarray(tok), np.asarray(want_tok)
+    assert (tok != want_tok).sum() <= 1                             # a rounding flip at most
+    np.testing.assert_allclose(np.asarray(lp)[tok == want_tok],
+                               np.asarray(want_lp)[tok == want_tok], atol=2e-5)
+    blocked = np.asarray(step) < 2
+    assert not np.isin(tok[blocked], [5, 200]).any()
+    assert len(set(tok.tolist())) > 20                              # the grid spans many tokens
+    # Greedy (and top-k / top-p) draws keep to `choose` on the logits.
+    greedy = dataclasses.replace(sc, greedy=True)
+    g_tok, _ = jax.jit(lambda h, w: head_choose(h, w, keys, uniforms, step, greedy, CFG,
+                                                sharding))(h, head)
+    np.testing.assert_array_equal(np.asarray(g_tok), np.asarray(
+        choose(head_logits(h, head, CFG), keys, uniforms, step, greedy)[0]))

@@ -136,7 +136,7 @@ def inverse_cdf_sample(z: jax.Array, u: jax.Array) -> jax.Array:
     positive probability.
     """
     R, V = z.shape
-    b = int(min(256, max(8, 1 << round(np.log2(np.sqrt(V))))))
+    b = block_size(V)
     nb = -(-V // b)
     p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))               # the argmax has p = 1
     p = jnp.pad(p, ((0, 0), (0, nb * b - V))).reshape(R, nb, b)
@@ -172,12 +172,30 @@ def choose(logits: jax.Array, keys: jax.Array, uniforms: jax.Array, step: jax.Ar
         if sc.method == "gumbel":
             step_keys = jax.vmap(jax.random.fold_in, (0, 0 if per_row else None))(keys, step)
             tok = jax.vmap(jax.random.categorical)(step_keys, z)
-        elif per_row:
-            u = jnp.take_along_axis(uniforms, step[:, None], axis=1)[:, 0]
-            tok = inverse_cdf_sample(z, u)
         else:
-            u = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
-            tok = inverse_cdf_sample(z, u)
+            tok = inverse_cdf_sample(z, step_uniform(uniforms, step))
     tok = tok.astype(jnp.int32)
     return tok, jnp.take_along_axis(logprobs, tok[:, None], axis=-1)[:, 0]
+
+
+def step_uniform(uniforms: jax.Array, step: jax.Array) -> jax.Array:
+    """float32[R]: each row's uniform of this step (uniforms float32[R, N]; step
+    int32[] shared by the rows or int32[R], each row's own)."""
+    if step.ndim == 1:
+        return jnp.take_along_axis(uniforms, step[:, None], axis=1)[:, 0]
+    return jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
+
+
+def eos_blocked(step: jax.Array, sc: SamplingConfig) -> jax.Array | None:
+    """bool[] or bool[R]: whether EOS is masked out at this step (min_new_tokens);
+    None when it never is."""
+    if sc.eos_ids and sc.min_new_tokens:
+        return step < sc.min_new_tokens
+    return None
+
+
+def block_size(V: int) -> int:
+    """The block of `inverse_cdf_sample`'s two-level cumulative sum: about
+    sqrt(V) tokens, a power of two in [8, 256]."""
+    return int(min(256, max(8, 1 << round(np.log2(np.sqrt(V))))))
 

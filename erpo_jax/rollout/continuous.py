@@ -70,7 +70,7 @@ from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
 from erpo_jax.rollout.choice import choose
-from erpo_jax.rollout.head import decode_head, decode_head_axes, head_logits
+from erpo_jax.rollout.head import decode_head, decode_head_axes, head_choose, head_logits
 from erpo_jax.rollout.prompts import batch_shape, prepare_prompts
 from erpo_jax.rollout.types import (DecodeLoop, EngineProgram, Rollout, SamplingConfig,
                                     rollout_stats)
@@ -312,6 +312,36 @@ class ContinuousEngine:
                 "steps_by_size": {str(k): v for k, v in sched["steps_by_size"].items()},
                 "inserts": {str(k): v for k, v in sched["inserts"].items()}}
 
+    def kv_entry_bytes(self) -> float:
+        """Bytes of one KV entry over all layers, per chip: key and value of
+        the KV heads a chip holds (all of them unless the tensor axis divides
+        them), divided over the data shards' chips that hold slots."""
+        cfg, sh = self.cfg, self.sharding
+        Nk = cfg.num_kv_heads
+        per_chip_heads = Nk
+        shards = 1
+        if sh is not None:
+            from erpo_jax.model.sharding import axis_size
+            t = axis_size(sh.mesh, sh.spec(("act_kv_heads",))[0])
+            per_chip_heads = Nk // t if Nk % t == 0 else Nk
+            shards = sh.data_size
+        item = jnp.dtype(cfg.jnp_compute_dtype).itemsize
+        return cfg.num_layers * 2 * per_chip_heads * cfg.head_dim * item / shards
+
+    def pool_capacity(self, P: int, free_bytes: float) -> dict:
+        """The largest pool (rollout.slots) a chip's `free_bytes` more HBM
+        would hold: each slot's cache entries (`cache_length`) over all
+        layers, per chip, in steps of the data-parallel size. `erpo plan`
+        gives it the room its compiled rollout programs leave, so it is an
+        extrapolation from the compiled peak (the pool's cache is what grows
+        with the slots; a slot's logits row and state are left out, a few
+        hundred KiB against its cache's MiB): `erpo plan rollout.slots=N`
+        checks it with the compiler."""
+        dp = self.sharding.data_size if self.sharding is not None else 1
+        slot = self.cache_length(P) * self.kv_entry_bytes()   # per chip, averaged over dp
+        more = int(free_bytes // (dp * slot)) * dp if free_bytes > 0 else 0
+        return {"slots": self.slots + more, "slots_now": self.slots, "slot_bytes": slot}
+
     def cache_length(self, P: int) -> int:
         """Entries of each slot's KV cache for prompts of bucket P: P for the
         prompt and N for the ring of response entries, rounded up to a
@@ -513,16 +543,17 @@ class ContinuousEngine:
                                                s.positions[:, None],
                                                jnp.ones((n, 1), bool), cache=ring,
                                                sharding=stationary, causal_cache=False)
-            return self._advance(s, head_logits(h[:, 0], head, cfg, sh), cache, R)
+            return self._advance(s, h[:, 0], head, cache, R)
 
         return step
 
-    def _advance(self, s: PoolState, logits, cache, R: int) -> PoolState:
-        """s after one decode step: each live slot's next token chosen from
-        logits [slots, V] and recorded, the slot ended at EOS or N tokens."""
+    def _advance(self, s: PoolState, h, head, cache, R: int) -> PoolState:
+        """s after one decode step: each live slot's next token chosen from its
+        final hidden state h [slots, D] through the head (`head_choose`) and
+        recorded, the slot ended at EOS or N tokens."""
         sc, N = self.sampling, self.sampling.max_new_tokens
-        tok, lp = choose(logits, s.keys, s.uniforms, jnp.minimum(s.t, N - 1), sc,
-                         platform_of(self.sharding))
+        tok, lp = head_choose(h, head, s.keys, s.uniforms, jnp.minimum(s.t, N - 1), sc,
+                              self.cfg, self.sharding, platform_of(self.sharding))
         live = s.live
         row = jnp.where(live, s.sample, R)
         at = jnp.minimum(s.t, N - 1)

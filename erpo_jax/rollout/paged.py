@@ -59,7 +59,6 @@ from erpo_jax.model import paged_attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
 from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, pool_slots
-from erpo_jax.rollout.head import head_logits
 from erpo_jax.rollout.types import Rollout, SamplingConfig
 from erpo_jax.runtime import xla_options
 from erpo_jax.runtime.distributed import to_host
@@ -140,6 +139,21 @@ class PagedEngine(ContinuousEngine):
 
     def pool_sizes(self) -> list[int]:
         return [self.slots]
+
+    def pool_capacity(self, P: int, free_bytes: float) -> dict:
+        """The largest pool a chip's `free_bytes` more would hold: with
+        rollout.kv_pages = 0 the pool's pages grow with its slots (every
+        slot's longest prompt and response), so more slots; with kv_pages set
+        the slots wait on the pages, so more pages (and the slots those pages
+        hold at their longest samples)."""
+        page = self.page_size * self.kv_entry_bytes()          # one page (of the whole pool), per chip
+        if not self.kv_pages:
+            return super().pool_capacity(P, free_bytes)
+        more = int(free_bytes // (self.shards * page)) * self.shards if free_bytes > 0 else 0
+        pages = self.kv_pages + more
+        return {"kv_pages": pages, "kv_pages_now": self.kv_pages,
+                "slots_at_longest": pages // self.pages_per_slot(P) // self.shards * self.shards,
+                "page_bytes": page}
 
     def cache_length(self, P: int) -> int:
         """Entries one slot's page table can name."""
@@ -230,7 +244,7 @@ class PagedEngine(ContinuousEngine):
                                               c.table, c.kv_len, live, sharding=stationary,
                                               impl=self.attention)
             cache = PagedCache(pages, c.table, c.kv_len + live.astype(jnp.int32))
-            return self._advance(s, head_logits(h, head, cfg, sh), cache, R)
+            return self._advance(s, h, head, cache, R)
 
         return step
 
@@ -347,22 +361,6 @@ class PagedEngine(ContinuousEngine):
         chips = self.sharding.mesh.size if self.sharding is not None else 1
         item = jnp.dtype(self.cfg.jnp_compute_dtype).itemsize
         return self.cfg.num_params() * item / chips
-
-    def kv_entry_bytes(self) -> float:
-        """Bytes of one KV entry over all layers, per chip: key and value of
-        the KV heads a chip holds (all of them unless the tensor axis divides
-        them), divided over the data shards' chips that hold slots."""
-        cfg, sh = self.cfg, self.sharding
-        Nk = cfg.num_kv_heads
-        per_chip_heads = Nk
-        shards = 1
-        if sh is not None:
-            from erpo_jax.model.sharding import axis_size
-            t = axis_size(sh.mesh, sh.spec(("act_kv_heads",))[0])
-            per_chip_heads = Nk // t if Nk % t == 0 else Nk
-            shards = sh.data_size
-        item = jnp.dtype(cfg.jnp_compute_dtype).itemsize
-        return cfg.num_layers * 2 * per_chip_heads * cfg.head_dim * item / shards
 
     # ------------------------------------------------------------------ host loop
 

@@ -62,7 +62,7 @@ from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
 from erpo_jax.rollout.choice import choose
-from erpo_jax.rollout.head import decode_head, decode_head_axes, head_logits
+from erpo_jax.rollout.head import decode_head, decode_head_axes, head_choose, head_logits
 from erpo_jax.rollout.prompts import batch_shape, prepare_prompts
 from erpo_jax.rollout.types import (DecodeLoop, EngineProgram, Rollout, SamplingConfig,
                                     join_rollouts, rollout_stats)
@@ -93,9 +93,11 @@ class SamplerState:
 
 
 def _record(state: SamplerState, logits: jax.Array, sc: SamplingConfig,
-            platform: str = "") -> SamplerState:
-    """Sample token `state.step` for every row not yet done, and advance."""
-    tok, logp = choose(logits, state.rng, state.uniforms, state.step, sc, platform)
+            platform: str = "", chosen=None) -> SamplerState:
+    """Sample token `state.step` for every row not yet done, and advance
+    (chosen: the (tokens, logp) already drawn, `head_choose`'s, instead of
+    drawing them from logits)."""
+    tok, logp = chosen or choose(logits, state.rng, state.uniforms, state.step, sc, platform)
     live = ~state.done
     tok = jnp.where(live, tok, sc.pad_id)
     logp = jnp.where(live, logp, 0.0)
@@ -127,7 +129,9 @@ def decode_step(params, s: SamplerState, cfg: ModelConfig, sc: SamplingConfig,
                                        jnp.ones_like(last, bool), cache=s.cache,
                                        sharding=stationary)
     s = dataclasses.replace(s, cache=cache, positions=s.positions + 1)
-    return _record(s, head_logits(h[:, 0], head, cfg, sharding), sc, platform_of(sharding))
+    platform = platform_of(sharding)
+    chosen = head_choose(h[:, 0], head, s.rng, s.uniforms, s.step, sc, cfg, sharding, platform)
+    return _record(s, None, sc, platform, chosen)
 
 
 def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array, *,

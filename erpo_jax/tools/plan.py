@@ -44,6 +44,12 @@ built as follows, and labelled as estimates:
   counted once under model.share_query), bytes from the compiled program
   (a lower bound: a loop body once), so their time is the compute bound;
 - collectives (all-gathers, reduce-scatters over ICI or DCN) are in neither.
+
+For a pool engine (continuous, paged) it also reports the largest pool that
+fits (`pool_capacity`): the room the largest compiled rollout program leaves,
+in slots of one slot's cache per chip (or, at a set rollout.kv_pages, in
+pages). That is an extrapolation from one compiled pool, labelled as one;
+`erpo plan rollout.slots=N` compiles the pool it names.
 """
 
 from __future__ import annotations
@@ -241,6 +247,10 @@ def plan(cfg, top: Topology, margin: float = 0.05, only: tuple = (), say=print,
             if est is not None:
                 report["rollout_estimate"] = est
                 say(estimate_line(est))
+        pool = pool_capacity(report, cfg, top, margin)
+        if pool is not None:
+            report["pool_capacity"] = pool
+            say(pool_line(pool))
         report.pop("_engine", None)
         report.pop("_costs", None)
         return report
@@ -456,6 +466,38 @@ def rollout_estimate(report: dict, cfg, top: Topology, spec: str,
         return None
     out.update(est)
     return out
+
+
+def pool_capacity(report: dict, cfg, top: Topology, margin: float) -> dict | None:
+    """The largest pool of a pool engine (continuous, paged) whose rollout
+    programs fit: the room the largest compiled rollout program leaves under
+    the limit, filled with what one more slot (or, at a set rollout.kv_pages,
+    one more page) takes per chip (`ContinuousEngine.pool_capacity`). An
+    extrapolation from the compiled peak, labelled as one; None for the static
+    engine or when the rollout was not compiled."""
+    engine = report.get("_engine")
+    peaks = [p["peak_bytes"] for p in report["programs"] if p["name"].startswith("rollout")]
+    if engine is None or not peaks or not hasattr(engine, "pool_capacity"):
+        return None
+    _, P = engine.batch_shape(cfg.train.batch_size, cfg.data.max_prompt_len)
+    free = _limit_bytes(top, margin) - max(peaks)
+    out = {"engine": engine.name, "free_bytes": free, "prompt_bucket": P,
+           "samples_per_step": cfg.train.batch_size * cfg.rollout.group_size,
+           **engine.pool_capacity(P, free)}
+    return out
+
+
+def pool_line(c: dict) -> str:
+    room = f"{c['free_bytes'] / GIB:.2f} GiB/chip left by the largest rollout program"
+    if "kv_pages" in c:
+        return (f"largest pool that fits ({c['engine']} engine, extrapolated from the compiled "
+                f"peak; `erpo plan rollout.kv_pages=N` checks it): rollout.kv_pages="
+                f"{c['kv_pages']:,} (now {c['kv_pages_now']:,}; {room}), "
+                f"{c['slots_at_longest']} samples at their longest at once")
+    return (f"largest pool that fits ({c['engine']} engine, extrapolated from the compiled "
+            f"peak; `erpo plan rollout.slots=N` checks it): rollout.slots={c['slots']:,} "
+            f"(now {c['slots_now']:,}; {room}, {c['slot_bytes'] / 2**20:.1f} MiB a slot); an "
+            f"RL step has {c['samples_per_step']:,} samples")
 
 
 def estimate_line(e: dict) -> str:

@@ -4,7 +4,9 @@ rollout --json` reports of the rollout engines
 traffic counted from the compiled program (`erpo_jax/tools/hbm.py`), XLA's
 own count beside it; the paged engine's step adds the pages the kernel
 copies, counted from the page table (its `rollout_estimate`), and is set
-against weights plus the KV the slots hold.
+against weights plus the KV the slots hold. The last table is each pool
+engine's largest pool that fits (`erpo plan`'s `pool_capacity`, extrapolated
+from the compiled peak), beside the pool each report compiled.
 
     .venv/bin/python experiments/profiles/engine_plan_table.py experiments/results/plan/engines/*.json
 """
@@ -19,11 +21,12 @@ GIB = 2 ** 30
 
 def main(paths: list[str]) -> None:
     reports = [json.load(open(p)) for p in paths]
-    print("| config | topology | engine | decode steps per RL step | slot utilisation "
+    print("| config | topology | engine | slots | decode steps per RL step | slot utilisation "
           "| rollout est. s per RL step | largest program peak GiB/chip | one decode step "
           "reads GiB/chip, HBM (x minimum) | XLA's count GiB/chip |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    for r in sorted(reports, key=lambda r: (r["config"], r["rollout_estimate"]["engine"])):
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in sorted(reports, key=lambda r: (r["config"], r["rollout_estimate"]["engine"],
+                                            r["rollout_estimate"].get("slots", 0))):
         e = r["rollout_estimate"]
         peak = max(p["peak_gib"] for p in r["programs"])
         decode = next(p for p in r["programs"] if "step_bytes_accessed" in p or
@@ -34,7 +37,8 @@ def main(paths: list[str]) -> None:
             xla = decode["step_xla_bytes_accessed"]
         else:
             nbytes, ratio, xla = step["bytes_accessed"], step["ratio"], step["xla_bytes_accessed"]
-        print(f"| {r['config']} | {r['topology']} | {e['engine']} | {e['decode_steps']:,} "
+        print(f"| {r['config']} | {r['topology']} | {e['engine']} | {e.get('slots', '-')} "
+              f"| {e['decode_steps']:,} "
               f"| {100 * e['slot_utilization']:.0f}% | {e['estimated_ms'] / 1e3:.1f} "
               f"| {peak:.2f} | {nbytes / GIB:.2f} ({ratio:.2f}x) | {xla / GIB:.2f} |")
     print()
@@ -46,6 +50,21 @@ def main(paths: list[str]) -> None:
             ms = p.get("step_ms", p["estimated_ms"])
             print(f"| {r['config']} | {r['topology']} | {p['name']} ({p['shapes']}) "
                   f"| {p['peak_gib']:.2f} | {ms:,.1f} | {p['compile_s']:.0f} |")
+    pools = [r for r in reports if "pool_capacity" in r]
+    if pools:
+        print()
+        print("| config | topology | engine | pool compiled | GiB/chip left by its largest "
+              "rollout program | largest pool that fits (extrapolated) | samples per RL step |")
+        print("|---|---|---|---:|---:|---:|---:|")
+    for r in pools:
+        c = r["pool_capacity"]
+        if "kv_pages" in c:
+            now, most = f"{c['kv_pages_now']:,} pages", (f"{c['kv_pages']:,} pages "
+                                                         f"({c['slots_at_longest']} samples)")
+        else:
+            now, most = f"{c['slots_now']} slots", f"{c['slots']:,} slots"
+        print(f"| {r['config']} | {r['topology']} | {c['engine']} | {now} "
+              f"| {c['free_bytes'] / GIB:.2f} | {most} | {c['samples_per_step']:,} |")
 
 
 if __name__ == "__main__":
