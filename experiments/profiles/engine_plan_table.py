@@ -32,8 +32,9 @@ def main(paths: list[str]) -> None:
         decode = next(p for p in r["programs"] if "step_bytes_accessed" in p or
                       "decode_step" in p)
         step = decode.get("decode_step")
-        if "step_ratio" in e:   # the kernel's reads, from the page table
-            nbytes, ratio = e["step_bytes"], e["step_ratio"]
+        if "step_ratio" in e:   # the compiled step's HBM bytes plus the kernel's, from the page table
+            nbytes = decode["step_bytes_accessed"] + e["kv_read_per_step_bytes"]
+            ratio = nbytes / e["step_minimum_bytes"]
             xla = decode["step_xla_bytes_accessed"]
         else:
             nbytes, ratio, xla = step["bytes_accessed"], step["ratio"], step["xla_bytes_accessed"]
