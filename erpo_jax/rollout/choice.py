@@ -140,16 +140,32 @@ def inverse_cdf_sample(z: jax.Array, u: jax.Array) -> jax.Array:
     nb = -(-V // b)
     p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))               # the argmax has p = 1
     p = jnp.pad(p, ((0, 0), (0, nb * b - V))).reshape(R, nb, b)
-    block_mass = jnp.sum(p, axis=-1)                                  # [R, nb]
+    blk, rest = locate_block(jnp.sum(p, axis=-1), u)
+    row = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]    # [R, b]
+    return (blk * b + index_in_block(row, rest)).astype(jnp.int32)
+
+
+def locate_block(block_mass: jax.Array, u: jax.Array):
+    """The first level of `inverse_cdf_sample`: int32[R], the block whose
+    cumulative (unnormalised) mass first passes u x total, from block_mass
+    float32[R, blocks], and float32[R], how far into that block's mass the
+    target lies. The target stays below the total, whatever the rounding."""
     block_cdf = jnp.cumsum(block_mass, axis=-1)
     total = block_cdf[:, -1]
     target = jnp.minimum(u * total, jnp.nextafter(total, 0.0))         # [R], < total
     blk = jnp.sum(block_cdf[:, :-1] <= target[:, None], axis=-1)      # first block past target
-    row = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]    # [R, b]
     before = jnp.take_along_axis(block_cdf - block_mass, blk[:, None], axis=1)[:, 0]
-    within = jnp.sum(jnp.cumsum(row, axis=-1)[:, :-1] <= (target - before)[:, None], axis=-1)
-    last = jnp.max(jnp.where(row > 0, jnp.arange(b), 0), axis=-1)
-    return (blk * b + jnp.minimum(within, last)).astype(jnp.int32)
+    return blk, target - before
+
+
+def index_in_block(row: jax.Array, rest: jax.Array) -> jax.Array:
+    """The second level: int32[R], the entry of row float32[R, b] (the chosen
+    block's masses) where the cumulative mass passes rest, capped at the
+    block's last entry of positive mass (a zero-probability token is never
+    drawn)."""
+    within = jnp.sum(jnp.cumsum(row, axis=-1)[:, :-1] <= rest[:, None], axis=-1)
+    last = jnp.max(jnp.where(row > 0, jnp.arange(row.shape[-1]), 0), axis=-1)
+    return jnp.minimum(within, last)
 
 
 def choose(logits: jax.Array, keys: jax.Array, uniforms: jax.Array, step: jax.Array,
@@ -161,10 +177,10 @@ def choose(logits: jax.Array, keys: jax.Array, uniforms: jax.Array, step: jax.Ar
     z = logits.astype(jnp.float32) / sc.temperature
     logprobs = jax.nn.log_softmax(z, axis=-1)
     per_row = step.ndim == 1
-    if sc.eos_ids and sc.min_new_tokens:
+    early = eos_blocked(step, sc)
+    if early is not None:
         is_eos = jnp.zeros(z.shape[-1], bool).at[jnp.array(sc.eos_ids)].set(True)
-        early = (step < sc.min_new_tokens)[:, None] if per_row else step < sc.min_new_tokens
-        z = jnp.where(is_eos & early, -jnp.inf, z)
+        z = jnp.where(is_eos & (early[:, None] if per_row else early), -jnp.inf, z)
     if sc.greedy:
         tok = jnp.argmax(z, axis=-1)
     else:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from erpo_jax.model import model as model_lib
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding
-from erpo_jax.rollout.choice import block_size, choose, eos_blocked, step_uniform
+from erpo_jax.rollout.choice import (block_size, choose, eos_blocked, index_in_block,
+                                     locate_block, step_uniform)
 from erpo_jax.rollout.types import SamplingConfig
 
 
@@ -107,7 +108,7 @@ def split_draw(h: jax.Array, head: jax.Array, u: jax.Array, blocked: jax.Array,
         c = jax.lax.axis_index(ax)
         Vc = w.shape[1]
         nb = -(-Vc // b)
-        z = model_lib.lm_logits(h, w, sharding) / T                                  # [R, Vc] float32
+        z = model_lib.lm_logits(h, w, sharding) / T                         # [R, Vc] float32
         m = jax.lax.pmax(jnp.max(z, axis=-1), ax)                           # [R]
         p = jnp.exp(z - m[:, None])
         ids = c * Vc + jnp.arange(Vc, dtype=jnp.int32)
@@ -119,17 +120,11 @@ def split_draw(h: jax.Array, head: jax.Array, u: jax.Array, blocked: jax.Array,
         total = jax.lax.psum(jnp.sum(p, axis=-1), ax)                      # before the mask
         qb = jnp.pad(q, ((0, 0), (0, nb * b - Vc))).reshape(-1, nb, b)
         mass = jax.lax.all_gather(jnp.sum(qb, axis=-1), ax, axis=1, tiled=True)   # [R, C nb]
-        cdf = jnp.cumsum(mass, axis=-1)
-        last_cdf = cdf[:, -1]
-        target = jnp.minimum(u * last_cdf, jnp.nextafter(last_cdf, 0.0))
-        blk = jnp.sum(cdf[:, :-1] <= target[:, None], axis=-1)              # [R], global block
+        blk, rest = locate_block(mass, u)                                   # [R], global block
         mine = blk // nb == c
         lb = blk % nb
         row = jnp.take_along_axis(qb, lb[:, None, None], axis=1)[:, 0]      # [R, b]
-        before = jnp.take_along_axis(cdf - mass, blk[:, None], axis=1)[:, 0]
-        within = jnp.sum(jnp.cumsum(row, axis=-1)[:, :-1] <= (target - before)[:, None], axis=-1)
-        last = jnp.max(jnp.where(row > 0, jnp.arange(b), 0), axis=-1)
-        lt = jnp.minimum(lb * b + jnp.minimum(within, last), Vc - 1)        # local token
+        lt = jnp.minimum(lb * b + index_in_block(row, rest), Vc - 1)        # local token
         zt = jnp.take_along_axis(z, lt[:, None], axis=1)[:, 0]
         tok = jax.lax.psum(jnp.where(mine, c * Vc + lt, 0), ax)
         zt = jax.lax.psum(jnp.where(mine, zt, 0.0), ax)

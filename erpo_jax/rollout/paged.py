@@ -146,9 +146,9 @@ class PagedEngine(ContinuousEngine):
         slot's longest prompt and response), so more slots; with kv_pages set
         the slots wait on the pages, so more pages (and the slots those pages
         hold at their longest samples)."""
-        page = self.page_size * self.kv_entry_bytes()          # one page (of the whole pool), per chip
         if not self.kv_pages:
             return super().pool_capacity(P, free_bytes)
+        page = self.page_size * self.kv_entry_bytes()          # one page (of the whole pool), per chip
         more = int(free_bytes // (self.shards * page)) * self.shards if free_bytes > 0 else 0
         pages = self.kv_pages + more
         return {"kv_pages": pages, "kv_pages_now": self.kv_pages,

@@ -92,12 +92,10 @@ class SamplerState:
     uniforms: jax.Array
 
 
-def _record(state: SamplerState, logits: jax.Array, sc: SamplingConfig,
-            platform: str = "", chosen=None) -> SamplerState:
-    """Sample token `state.step` for every row not yet done, and advance
-    (chosen: the (tokens, logp) already drawn, `head_choose`'s, instead of
-    drawing them from logits)."""
-    tok, logp = chosen or choose(logits, state.rng, state.uniforms, state.step, sc, platform)
+def _record(state: SamplerState, tok: jax.Array, logp: jax.Array,
+            sc: SamplingConfig) -> SamplerState:
+    """Record token `state.step` (tok int32[R], its logp float32[R], drawn by
+    `choose` or `head_choose`) for every row not yet done, and advance."""
     live = ~state.done
     tok = jnp.where(live, tok, sc.pad_id)
     logp = jnp.where(live, logp, 0.0)
@@ -129,9 +127,9 @@ def decode_step(params, s: SamplerState, cfg: ModelConfig, sc: SamplingConfig,
                                        jnp.ones_like(last, bool), cache=s.cache,
                                        sharding=stationary)
     s = dataclasses.replace(s, cache=cache, positions=s.positions + 1)
-    platform = platform_of(sharding)
-    chosen = head_choose(h[:, 0], head, s.rng, s.uniforms, s.step, sc, cfg, sharding, platform)
-    return _record(s, None, sc, platform, chosen)
+    tok, logp = head_choose(h[:, 0], head, s.rng, s.uniforms, s.step, sc, cfg, sharding,
+                            platform_of(sharding))
+    return _record(s, tok, logp, sc)
 
 
 def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array, *,
@@ -196,7 +194,8 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
         rng=row_keys,
         uniforms=constrain(uniforms, ("batch", None)),
     )
-    state = _record(state, logits, sc, platform_of(sharding))
+    state = _record(state, *choose(logits, state.rng, state.uniforms, state.step, sc,
+                                   platform_of(sharding)), sc)
 
     body = lambda s: decode_step(params, s, cfg, sc, sharding, head)
     for j, L in enumerate(lengths):

@@ -481,10 +481,9 @@ def pool_capacity(report: dict, cfg, top: Topology, margin: float) -> dict | Non
         return None
     _, P = engine.batch_shape(cfg.train.batch_size, cfg.data.max_prompt_len)
     free = _limit_bytes(top, margin) - max(peaks)
-    out = {"engine": engine.name, "free_bytes": free, "prompt_bucket": P,
-           "samples_per_step": cfg.train.batch_size * cfg.rollout.group_size,
-           **engine.pool_capacity(P, free)}
-    return out
+    return {"engine": engine.name, "free_bytes": free, "prompt_bucket": P,
+            "samples_per_step": cfg.train.batch_size * cfg.rollout.group_size,
+            **engine.pool_capacity(P, free)}
 
 
 def pool_line(c: dict) -> str:
