@@ -1,5 +1,5 @@
 """What the rollout-engine tests share: two rollouts hold the same samples;
-the sizes of a compiled program's all-gathers."""
+the sizes of a compiled program's collectives."""
 
 from __future__ import annotations
 
@@ -20,10 +20,16 @@ def assert_same_samples(a: Rollout, b: Rollout, what: str = "") -> None:
 
 def all_gather_sizes(hlo: str) -> list[int]:
     """Element counts of the outputs of every all-gather in optimized HLO text."""
+    return collective_sizes(hlo, "all-gather")
+
+
+def collective_sizes(hlo: str, op: str) -> list[int]:
+    """Element counts of the outputs (a tuple's first) of every `op`
+    ('all-gather', 'all-reduce') in optimized HLO text."""
     import re
     sizes = []
     for line in hlo.splitlines():
-        m = re.search(r"= \(?\w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", line)
+        m = re.search(r"= \(?\w+\[([\d,]*)\][^=]*? " + op + r"(?:-start)?\(", line)
         if m:
             sizes.append(int(np.prod([int(d) for d in m.group(1).split(",") if d])))
     return sizes

@@ -106,7 +106,7 @@ MUTATIONS = [
              "return jnp.expm1(d) - d", "return 0.5 * jnp.square(d)", ("tests/test_kl.py",)),
     Mutation("decode_gathers_weights", "a decode step runs under the training (FSDP) rules",
              "erpo_jax/rollout/static.py",
-             "stationary = None if sharding is None else sharding.weight_stationary()",
+             "stationary = model_lib.decode_sharding(cfg, sharding)",
              "stationary = sharding",
              ("tests/test_sampler.py::test_decode_step_moves_activations_not_weights",)),
     Mutation("weights_not_unit_mean", "per-query weights are not rescaled to mean 1",

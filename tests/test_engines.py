@@ -19,7 +19,7 @@ from erpo_jax.rollout.engine import ENGINES, make_engine
 from erpo_jax.rollout.static import StaticEngine
 from erpo_jax.rollout.types import SamplingConfig
 
-from engine_checks import all_gather_sizes, assert_same_samples
+from engine_checks import all_gather_sizes, assert_same_samples, collective_sizes
 
 CFG = ModelConfig()          # the tiny preset: vocab 256, 2 layers
 KEY = jax.random.key(7)
@@ -234,7 +234,11 @@ def test_arithmetic_checkpoint(sft_model):
 def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):
     """The continuous engine's decode loop on an FSDP mesh gathers no weight,
     as the static sampler's step (test_sampler's twin): every all-gather is
-    activation-sized; under the training rules it would gather every weight."""
+    activation-sized; under the training rules it would gather every weight.
+    And its MLP kernels split their hidden axis (`model.decode_layout`), so
+    no chip exchanges the [slots, intermediate] activations: down's output
+    is the one sum. Under the training layout gate's and up's are summed
+    across chips in every layer (one all-reduce of the pair)."""
     sharding = Sharding(make_mesh((1, 4, 1), jax.devices()[:4]))
     sc = SamplingConfig(max_new_tokens=8, num_samples=2, eos_ids=EOS)
     engine = ContinuousEngine(CFG, sc, sharding, slots=8)
@@ -244,16 +248,24 @@ def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):
     per_layer = [a.shape[1:] for a in jax.tree_util.tree_leaves(params["layers"])]
     smallest_matrix = min(int(np.prod(s)) for s in per_layer if len(s) >= 2)
     assert 8 * CFG.hidden_size <= smallest_matrix / 2, "shapes too close to tell apart"
+    hidden = 8 * CFG.intermediate_size              # [slots, intermediate]
+    assert sharding.decode_mlp_axes(CFG.intermediate_size) == ("fsdp",)
 
-    def gathered():
+    def compiled():
+        engine._programs.clear()
         decode = dict((n, f) for n, _, f in engine.programs(abstract, 8, 8))["decode 8"]
-        return all_gather_sizes(decode().compile().as_text())
+        return decode().compile().as_text()
 
-    sizes = gathered()
+    hlo = compiled()
+    sizes = all_gather_sizes(hlo)
     assert sizes and max(sizes) < smallest_matrix, (sizes, smallest_matrix)
-    engine._programs.clear()
-    monkeypatch.setattr(Sharding, "weight_stationary", lambda self: self)
-    assert sum(n >= smallest_matrix for n in gathered()) >= 4 * CFG.num_layers
+    assert max(collective_sizes(hlo, "all-reduce")) < hidden
+    with monkeypatch.context() as m:   # the training layout of the MLP kernels
+        m.setattr(Sharding, "decode_mlp_axes", lambda self, size: None)
+        summed = collective_sizes(compiled(), "all-reduce")
+    assert sum(n >= hidden for n in summed) >= CFG.num_layers, summed
+    monkeypatch.setattr(Sharding, "weight_stationary", lambda self, mlp_axes=None: self)
+    assert sum(n >= smallest_matrix for n in all_gather_sizes(compiled())) >= 4 * CFG.num_layers
 
 
 def test_auto_picks_paged_where_its_attention_is_the_tpu_kernel():

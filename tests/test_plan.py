@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from erpo_jax.tools import plan as plan_lib
+from erpo_jax.model.config import PRESETS
 
 pytestmark = pytest.mark.skipif(plan_lib.libtpu_missing() is not None,
                                 reason=str(plan_lib.libtpu_missing()))
@@ -147,8 +148,9 @@ def test_plan_estimates_both_rollout_engines_on_a_length_distribution(tmp_path):
 def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
     """The paged engine's programs compile for v5e-4 (its inserts and its
     decode loop); the estimate replays its schedule on drawn response and
-    prompt lengths and adds the pages the page table names to the compiled
-    step's HBM bytes."""
+    prompt lengths and adds the pages the page table names, and the
+    attention FLOPs on the entries the slots hold, to the compiled step's
+    bytes and FLOPs before taking its roofline."""
     from erpo_jax.rollout.paged import schedule
     spec, prompts = "lognormal:4:0.8", "lognormal:6:0.3"
     proc, rep = _cli(tmp_path, *TINY, "rollout.engine=paged", "rollout.slots=4",
@@ -169,12 +171,23 @@ def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
     assert 0 < est["step_ms"] and est["step_ratio"] > 0
     step = by["rollout decode 4"]
     assert "decode_step" not in step      # its traffic is the estimate's, not the whole cache's
+    # The step's roofline with the kernel's pages and FLOPs (counted from the
+    # page table) added to the compiled step's: time, not a sum of times.
     tpu = rep["tpu"]
-    if step["step_bytes_accessed"] / tpu["hbm_bytes_per_s"] >= step["step_flops"] / tpu["peak_flops"]:
-        assert est["step_bytes"] == pytest.approx(
-            step["step_bytes_accessed"] + est["kv_read_per_step_bytes"], rel=1e-6)
-    else:   # a compute-bound step: its time in bytes is more than it reads
-        assert est["step_bytes"] > step["step_bytes_accessed"] + est["kv_read_per_step_bytes"]
+    assert est["step_bytes"] == pytest.approx(
+        step["step_bytes_accessed"] + est["kv_read_per_step_bytes"], rel=1e-9)
+    assert est["step_flops"] == pytest.approx(step["step_flops"] + est["kv_flops_per_step"],
+                                              rel=1e-9)
+    # Per entry a slot holds: q . k and p . v (4 x head_dim FLOPs) for each of the
+    # 2 query heads of a KV head, against key + value (2 x head_dim float32).
+    tiny = PRESETS["tiny"]
+    per_kv = tiny.num_heads // tiny.num_kv_heads
+    assert est["kv_flops_per_step"] == pytest.approx(
+        est["kv_held_per_step_bytes"] * 4 * per_kv / (2 * 4), rel=1e-9)
+    assert est["kv_flops_per_step"] > 0
+    assert est["step_ms"] == pytest.approx(1e3 * max(est["step_flops"] / tpu["peak_flops"],
+                                                     est["step_bytes"] / tpu["hbm_bytes_per_s"]))
+    assert est["decode_ms"] == pytest.approx(est["decode_steps"] * est["step_ms"])
     assert "rollout estimate (paged engine)" in proc.stdout and "page table" in proc.stdout
     # rollout.kv_pages=0: the pages grow with the slots (a slot's 4 pages of 8 entries).
     pool = rep["pool_capacity"]

@@ -543,7 +543,7 @@ def test_decode_step_moves_activations_not_weights(params, monkeypatch):
     gathered = _all_gather_sizes(hlo)
     assert gathered and max(gathered) < smallest_matrix, (gathered, smallest_matrix)
 
-    monkeypatch.setattr(Sharding, "weight_stationary", lambda self: self)
+    monkeypatch.setattr(Sharding, "weight_stationary", lambda self, mlp_axes=None: self)
     hlo = sampler.lower_decode_step(abstract, 4, 8).compile().as_text()
     assert sum(n >= smallest_matrix for n in _all_gather_sizes(hlo)) >= 4 * CFG.num_layers
 

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from erpo_jax.runtime import xla_options
 from erpo_jax.model import attention, paged_attention
@@ -467,6 +468,55 @@ def unstack_layers(params) -> dict:
     parts = [[p[0] for p in jnp.split(a, n, axis=0)] for a in leaves]
     return {**params, "layers": tuple(jax.tree_util.tree_unflatten(treedef, [p[l] for p in parts])
                                       for l in range(n))}
+
+
+# Each MLP kernel's hidden (intermediate-size) axis, in its per-layer shape.
+_MLP_HIDDEN_AXIS = {"gate_proj": 1, "up_proj": 1, "down_proj": 0}
+
+
+def _hidden_split(name: str, axes) -> P:
+    spec = [None, None]
+    spec[_MLP_HIDDEN_AXIS[name]] = axes
+    return P(*spec)
+
+
+def decode_weight_spec(path, spec: P, cfg: ModelConfig, sharding: Sharding) -> P:
+    """The PartitionSpec of one per-layer weight (`unstack_layers`' leaf at
+    path, whose training-layout spec is spec) in the weights a decode step
+    reads: the MLP kernels split their hidden axis over
+    `Sharding.decode_mlp_axes` and nothing else; every other leaf keeps its
+    spec. The step runs under `sharding.weight_stationary(those axes)`."""
+    keys = [getattr(k, "key", None) for k in path]
+    mlp = sharding.decode_mlp_axes(cfg.intermediate_size)
+    if mlp is None or len(keys) < 2 or keys[-2] != "mlp" or keys[-1] not in _MLP_HIDDEN_AXIS:
+        return spec
+    return _hidden_split(keys[-1], mlp)
+
+
+def decode_layout(params, cfg: ModelConfig, sharding: Sharding | None):
+    """params (per-layer, `unstack_layers`) with the MLP kernels laid out as
+    `decode_weight_spec` says, the same numbers: made once per rollout call,
+    with the compute-dtype copy the decode loop reads."""
+    mlp = None if sharding is None else sharding.decode_mlp_axes(cfg.intermediate_size)
+    if mlp is None:
+        return params
+
+    def lay(layer):
+        put = lambda name, w: jax.lax.with_sharding_constraint(
+            w, NamedSharding(sharding.mesh, _hidden_split(name, mlp)))
+        kernels = {k: put(k, w) for k, w in layer["mlp"].items() if k in _MLP_HIDDEN_AXIS}
+        return {**layer, "mlp": {**layer["mlp"], **kernels}}
+
+    return {**params, "layers": tuple(map(lay, params["layers"]))}
+
+
+def decode_sharding(cfg: ModelConfig, sharding: Sharding | None) -> Sharding | None:
+    """The rules one decode step runs under, on weights from `decode_layout`:
+    weight-stationary (`Sharding.weight_stationary`), the MLP's hidden
+    activations split as its kernels' hidden axis."""
+    if sharding is None:
+        return None
+    return sharding.weight_stationary(sharding.decode_mlp_axes(cfg.intermediate_size))
 
 
 def in_compute_dtype(params, cfg: ModelConfig) -> Any:

@@ -83,21 +83,49 @@ class Sharding:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def weight_stationary(self) -> "Sharding":
+    def weight_stationary(self, mlp_axes: MeshAxes = None) -> "Sharding":
         """The rules of one decode step: the dense layers' activations ("batch")
         are split only over the mesh axes that split no weight, so every chip
         multiplies its own shard of each weight by all rows' (few) hidden
         states and the chips exchange activations instead of weights; the
         sampler's rows and the KV cache ("rows") stay where they are.
         Under the default rules a decode step all-gathers every FSDP-sharded
-        weight, the whole model per generated token."""
+        weight, the whole model per generated token. mlp_axes: where the
+        step's MLP kernels split their hidden axis (`decode_mlp_axes`), which
+        its hidden activations then follow."""
         rules = dict(self.rules)
-        as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
-        weight_axes = {m for ax in ("embed", "heads", "kv_heads", "mlp", "vocab")
-                       for m in as_tuple(rules[ax])}
-        batch = tuple(m for m in as_tuple(rules["rows"]) if m not in weight_axes)
+        weight_axes = self.weight_axes()
+        batch = tuple(m for m in _as_tuple(rules["rows"]) if m not in weight_axes)
         rules["batch"] = batch or None
+        if mlp_axes is not None:
+            rules["act_mlp"] = mlp_axes
         return Sharding(self.mesh, tuple(rules.items()))
+
+    def weight_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split some weight, in mesh order."""
+        rules = dict(self.rules)
+        used = {m for ax in ("embed", "heads", "kv_heads", "mlp", "vocab")
+                for m in _as_tuple(rules[ax])}
+        return tuple(m for m in self.mesh.axis_names if m in used)
+
+    def decode_mlp_axes(self, mlp_size: int) -> tuple[str, ...] | None:
+        """The mesh axes over which a decode step's MLP kernels split their
+        hidden axis (of mlp_size units): every axis that splits a weight
+        (`weight_axes`), so each chip holds whole columns of gate and up and
+        whole rows of down. Under the training layout (input axis over fsdp)
+        a weight-stationary step instead reduces the [rows, mlp_size] hidden
+        activations across chips twice per layer; split on the hidden axis,
+        gate and up need no exchange and down's output, [rows, hidden size],
+        is summed once. None where no axis of size > 1 splits a weight or
+        mlp_size does not divide."""
+        axes = tuple(m for m in self.weight_axes() if self.mesh.shape[m] > 1)
+        if not axes or mlp_size % math.prod(self.mesh.shape[m] for m in axes):
+            return None
+        return axes
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def platform(sharding: Sharding | None) -> str:

@@ -293,7 +293,8 @@ class ContinuousEngine:
                         self.sampling.num_samples, self._query_buckets(num_prompts))
 
     def plan_estimate(self, lengths, num_prompts: int, longest_prompt: int, max_prompts: int,
-                      run_ms, step_ms, kv_read_ms=None, prompt_lengths=None) -> dict | None:
+                      run_ms, step_ms, step_cost=None, roofline_ms=None,
+                      prompt_lengths=None) -> dict | None:
         """`erpo plan`'s rollout time (`types.Engine.plan_estimate`): the
         `schedule` of these lengths, its decode steps at each pool size each
         costed as one step of that pool's decode loop, its inserts at each
@@ -316,17 +317,27 @@ class ContinuousEngine:
         """Bytes of one KV entry over all layers, per chip: key and value of
         the KV heads a chip holds (all of them unless the tensor axis divides
         them), divided over the data shards' chips that hold slots."""
+        heads, shards = self._kv_split()
+        item = jnp.dtype(self.cfg.jnp_compute_dtype).itemsize
+        return self.cfg.num_layers * 2 * heads * self.cfg.head_dim * item / shards
+
+    def kv_entry_flops(self) -> float:
+        """FLOPs a decode step's attention spends on one KV entry over all
+        layers, per chip (as `kv_entry_bytes`): q . k and p . v, 2 x 2 x
+        head_dim, for each query head of the KV heads the chip holds."""
+        heads, shards = self._kv_split()
+        per_kv = self.cfg.num_heads // self.cfg.num_kv_heads
+        return self.cfg.num_layers * 4 * heads * per_kv * self.cfg.head_dim / shards
+
+    def _kv_split(self) -> tuple[int, int]:
+        """(KV heads a chip holds, data shards the slots are split over)."""
         cfg, sh = self.cfg, self.sharding
-        Nk = cfg.num_kv_heads
-        per_chip_heads = Nk
-        shards = 1
-        if sh is not None:
-            from erpo_jax.model.sharding import axis_size
-            t = axis_size(sh.mesh, sh.spec(("act_kv_heads",))[0])
-            per_chip_heads = Nk // t if Nk % t == 0 else Nk
-            shards = sh.data_size
-        item = jnp.dtype(cfg.jnp_compute_dtype).itemsize
-        return cfg.num_layers * 2 * per_chip_heads * cfg.head_dim * item / shards
+        if sh is None:
+            return cfg.num_kv_heads, 1
+        from erpo_jax.model.sharding import axis_size
+        t = axis_size(sh.mesh, sh.spec(("act_kv_heads",))[0])
+        return (cfg.num_kv_heads // t if cfg.num_kv_heads % t == 0 else cfg.num_kv_heads,
+                sh.data_size)
 
     def pool_capacity(self, P: int, free_bytes: float) -> dict:
         """The largest pool (rollout.slots) a chip's `free_bytes` more HBM
@@ -403,7 +414,8 @@ class ContinuousEngine:
 
         def weights(params):
             self._count()
-            params = model_lib.unstack_layers(model_lib.in_compute_dtype(params, cfg))
+            params = model_lib.decode_layout(
+                model_lib.unstack_layers(model_lib.in_compute_dtype(params, cfg)), cfg, sh)
             return params, decode_head(params, cfg, sh)
         kw = {}
         if sh is not None:
@@ -417,7 +429,8 @@ class ContinuousEngine:
     def _abstract_weights(self, params):
         """(per-layer compute-dtype weights, decode head) as ShapeDtypeStructs,
         in the shardings the `weights` program gives them: each layer's
-        slice keeps its stacked parameter's sharding, the head
+        slice keeps its stacked parameter's sharding (the MLP kernels the decode
+        layout, `model.decode_weight_spec`), the head
         `head.decode_head_axes`'s."""
         cfg, sh = self.cfg, self.sharding
         narrowed = jax.eval_shape(lambda p: model_lib.in_compute_dtype(p, cfg), params)
@@ -426,15 +439,16 @@ class ContinuousEngine:
         if sh is None:
             return w, head
 
-        def unstacked(a, n):
-            spec = jax.sharding.PartitionSpec(*tuple(a.sharding.spec)[1:])
+        def unstacked(path, a, n):   # the stacked leaf's spec minus L, in the decode layout
+            spec = model_lib.decode_weight_spec(
+                path, jax.sharding.PartitionSpec(*tuple(a.sharding.spec)[1:]), cfg, sh)
             return jax.ShapeDtypeStruct(n.shape, n.dtype,
                                         sharding=jax.sharding.NamedSharding(sh.mesh, spec))
 
         same = lambda a, n: jax.ShapeDtypeStruct(n.shape, n.dtype, sharding=a.sharding)
         w = {**jax.tree_util.tree_map(same, {k: v for k, v in params.items() if k != "layers"},
                                       {k: v for k, v in w.items() if k != "layers"}),
-             "layers": tuple(jax.tree_util.tree_map(unstacked, params["layers"], layer)
+             "layers": tuple(jax.tree_util.tree_map_with_path(unstacked, params["layers"], layer)
                              for layer in w["layers"])}
         axes = decode_head_axes(cfg, sh)   # None on a one-device mesh
         head = jax.ShapeDtypeStruct(head.shape, head.dtype, sharding=sh.replicated()
@@ -533,7 +547,7 @@ class ContinuousEngine:
         """One decode step of a pool of n slots: step(params, head, state)."""
         cfg, sc, sh = self.cfg, self.sampling, self.sharding
         N = sc.max_new_tokens
-        stationary = None if sh is None else sh.weight_stationary()
+        stationary = model_lib.decode_sharding(cfg, sh)
 
         def step(params, head, s: PoolState) -> PoolState:
             # Every slot writes at one entry of the response ring; `valid`

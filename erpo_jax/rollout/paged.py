@@ -236,7 +236,7 @@ class PagedEngine(ContinuousEngine):
 
     def _step(self, R: int, P: int, n: int):
         cfg, sh = self.cfg, self.sharding
-        stationary = None if sh is None else sh.weight_stationary()
+        stationary = model_lib.decode_sharding(cfg, sh)
 
         def step(params, head, s: PoolState) -> PoolState:
             c, live = s.cache, s.live
@@ -305,20 +305,22 @@ class PagedEngine(ContinuousEngine):
         return [p._replace(loops=tuple(x._replace(full=False) for x in p.loops)) for p in out]
 
     def plan_estimate(self, lengths, num_prompts: int, longest_prompt: int, max_prompts: int,
-                      run_ms, step_ms, kv_read_ms=None, prompt_lengths=None) -> dict | None:
+                      run_ms, step_ms, step_cost=None, roofline_ms=None,
+                      prompt_lengths=None) -> dict | None:
         """`erpo plan`'s rollout time (`types.Engine.plan_estimate`): the paged
         `schedule` of these response lengths after prompts of prompt_lengths
         tokens (default: every prompt longest_prompt long). Each decode step
-        costs the compiled step (whose count of HBM bytes leaves the
-        kernel's page pool out, `tools.hbm.paged_kernel_pages`) plus
-        kv_read_ms of what the kernel copies that step, counted from the
-        page book: ceil(held / page_size) pages of each live slot,
-        each page_size x (key + value) x KV heads x head size x layers, per
-        chip (slots over the data shards, heads over the tensor shards where
-        they divide). Inserts as the continuous engine's. Also a step's bytes
+        is the roofline of the compiled step (whose counts leave the kernel
+        out: its page pool by `tools.hbm.paged_kernel_pages`, its FLOPs
+        because the custom call declares none) with the kernel's work added,
+        counted from the page book: it reads ceil(held / page_size) pages of
+        each live slot, each page_size x (key + value) x KV heads x head size
+        x layers, per chip (slots over the data shards, heads over the tensor
+        shards where they divide), and spends `kv_entry_flops` on each entry
+        a slot holds. Inserts as the continuous engine's. Also a step's bytes
         against the minimum, weights (`weights_bytes`) plus the KV the slots
         hold, both per chip."""
-        if kv_read_ms is None:
+        if step_cost is None or roofline_ms is None:
             return None
         B, P = self.batch_shape(num_prompts, longest_prompt)
         G = self.sampling.num_samples
@@ -326,17 +328,17 @@ class PagedEngine(ContinuousEngine):
                 else np.minimum(np.asarray(prompt_lengths), P))
         sched = schedule(lengths, plen, G, self.slots, self.shards, self.pages_per_shard(P),
                          self.page_size, self.sampling.max_new_tokens, self.refill)
-        full = step_ms(f"decode {self.slots}")
+        compiled = step_cost(f"decode {self.slots}")
         call = {q: run_ms(f"insert {q}") for q in self._query_buckets(B)}
-        if full is None or None in call.values():
+        if compiled is None or None in call.values():
             return None
         steps = max(sched["steps"], 1)
-        entry = self.kv_entry_bytes()
-        read = sched["entries_read"] * entry / steps        # per step, per chip
-        held = sched["entries_held"] * entry / steps
-        step = full + kv_read_ms(read)
+        read = sched["entries_read"] * self.kv_entry_bytes() / steps     # per step, per chip
+        held = sched["entries_held"] * self.kv_entry_bytes() / steps
+        flops = sched["entries_held"] * self.kv_entry_flops() / steps
+        step_flops, step_bytes = compiled[0] + flops, compiled[1] + read
+        step = roofline_ms(step_flops, step_bytes)
         decode = sched["steps"] * step
-        per_byte = kv_read_ms(1.0)
         weights = self.weights_bytes()
         # Inserts: one per placement, at the smallest bucket holding its prompts.
         insert = sum(k * call[next(b for b in call if b >= q)]
@@ -348,9 +350,10 @@ class PagedEngine(ContinuousEngine):
                 "pages_per_shard": self.pages_per_shard(P), "peak_pages": sched["peak_pages"],
                 "page_size": self.page_size, "mean_prompt_length": float(plen.mean()),
                 "kv_read_per_step_bytes": read, "kv_held_per_step_bytes": held,
-                "step_ms": step, "step_compiled_ms": full,
-                "step_bytes": full / per_byte + read, "step_minimum_bytes": weights + held,
-                "step_ratio": (full / per_byte + read) / (weights + held),
+                "kv_flops_per_step": flops, "step_ms": step,
+                "step_compiled_ms": roofline_ms(*compiled), "step_flops": step_flops,
+                "step_bytes": step_bytes, "step_minimum_bytes": weights + held,
+                "step_ratio": step_bytes / (weights + held),
                 "steps_by_size": {str(self.slots): sched["steps"]},
                 "inserts": {str(k): v for k, v in sched["inserts"].items()}}
 

@@ -122,7 +122,7 @@ def decode_step(params, s: SamplerState, cfg: ModelConfig, sc: SamplingConfig,
     sharding."""
     head = decode_head(params, cfg, sharding) if head is None else head
     last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)     # [R, 1]
-    stationary = None if sharding is None else sharding.weight_stationary()
+    stationary = model_lib.decode_sharding(cfg, sharding)
     h, cache = model_lib.hidden_states(params, cfg, last, s.positions[:, None],
                                        jnp.ones_like(last, bool), cache=s.cache,
                                        sharding=stationary)
@@ -155,7 +155,8 @@ def sample_rollout(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng
     # decode loop neither slices the stacked [L, ...] arrays nor reads and
     # casts float32 weights every step (model.unstack_layers,
     # model.in_compute_dtype: the same numbers).
-    params = model_lib.unstack_layers(model_lib.in_compute_dtype(params, cfg))
+    params = model_lib.decode_layout(
+        model_lib.unstack_layers(model_lib.in_compute_dtype(params, cfg)), cfg, sharding)
     head = decode_head(params, cfg, sharding)
 
     # The cache grows in phases (`cache_phase_lengths`): each phase's decode
@@ -377,8 +378,9 @@ class StaticEngine:
         def put(shape, dtype, logical):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sh.named(logical))
 
-        def unstacked(a):   # a stacked [L, ...] leaf's per-layer slice, same spec minus L
-            spec = jax.sharding.PartitionSpec(*tuple(a.sharding.spec)[1:])
+        def unstacked(path, a):   # a stacked [L, ...] leaf's per-layer slice: spec minus L,
+            spec = model_lib.decode_weight_spec(                     # in the decode layout
+                path, jax.sharding.PartitionSpec(*tuple(a.sharding.spec)[1:]), cfg, sh)
             return jax.ShapeDtypeStruct(a.shape[1:], a.dtype,
                                         sharding=jax.sharding.NamedSharding(sh.mesh, spec))
 
@@ -389,7 +391,7 @@ class StaticEngine:
         params = jax.tree_util.tree_map(   # eval_shape drops the shardings: put them back
             lambda a, n: jax.ShapeDtypeStruct(a.shape, n.dtype, sharding=a.sharding),
             params, narrowed)
-        layer = jax.tree_util.tree_map(unstacked, params["layers"])
+        layer = jax.tree_util.tree_map_with_path(unstacked, params["layers"])
         per_layer = {**params, "layers": (layer,) * cfg.num_layers}
         head = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cd,
                                     sharding=sh.named(decode_head_axes(cfg, sh)))
@@ -501,7 +503,8 @@ class StaticEngine:
                               B * G * (P + N), loops)]
 
     def plan_estimate(self, lengths, num_prompts: int, longest_prompt: int, max_prompts: int,
-                      run_ms, step_ms, kv_read_ms=None, prompt_lengths=None) -> dict | None:
+                      run_ms, step_ms, step_cost=None, roofline_ms=None,
+                      prompt_lengths=None) -> dict | None:
         """`erpo plan`'s rollout time (`types.Engine.plan_estimate`): each call
         of max_prompts prompts, in sample order, runs its program once (the
         prefill, and each phase's loop body once) plus, for its longest

@@ -293,14 +293,16 @@ class Engine(Protocol):
     def plan_estimate(self, lengths: np.ndarray, num_prompts: int, longest_prompt: int,
                       max_prompts: int, run_ms: Callable[[str], float | None],
                       step_ms: Callable[[str], float | None],
-                      kv_read_ms: Callable[[float], float] | None = None,
+                      step_cost: Callable[[str], tuple[float, float] | None] | None = None,
+                      roofline_ms: Callable[[float, float], float] | None = None,
                       prompt_lengths: np.ndarray | None = None) -> dict | None:
         """`erpo plan`'s rollout time for samples of these response lengths
         (sample order): what the engine runs for them, costed by run_ms(part)
         (a call of `step_programs`' program `part`) and step_ms(key) (one step
-        of its `DecodeLoop` `key`). kv_read_ms(bytes): the time to read KV
-        bytes the compiled programs' cost does not count (a custom kernel's
-        reads, counted from the engine's own book); prompt_lengths: each
-        prompt's tokens, for an engine whose cost depends on them. A dict
-        with at least decode_steps, slot_utilization and estimated_ms; None
-        when a cost is missing."""
+        of its `DecodeLoop` `key`). For an engine whose compiled step leaves
+        work out (a custom kernel's, counted from the engine's own book):
+        step_cost(key), the compiled step's (FLOPs, HBM bytes), and
+        roofline_ms(flops, bytes), the time of a step with the kernel's added;
+        prompt_lengths: each prompt's tokens, for an engine whose cost depends
+        on them. A dict with at least decode_steps, slot_utilization and
+        estimated_ms; None when a cost is missing."""
