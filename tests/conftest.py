@@ -30,15 +30,26 @@ import pytest  # noqa: E402
 # The longest test files (seconds of one core, from `pytest --durations`), handed
 # to the workers first: under --dist loadfile a file runs whole on one worker, and
 # a long file dealt out last leaves the other worker idle until it ends.
-LONGEST_FIRST = ("test_train.py", "test_engines.py", "test_model.py", "test_real_path.py",
-                 "test_plan.py", "test_lora.py", "test_faults.py", "test_sampler.py", "test_bench.py",
-                 "test_sharding.py", "test_experiments.py", "test_paged_engine.py",
-                 "test_method_run.py", "test_demo.py", "test_multihost_train.py",
-                 "test_stabilizers.py", "test_resume_changes.py", "test_readme_example.py",
-                 "test_loss_terms.py", "test_chaos.py")
+LONGEST_FIRST = ("test_train.py", "test_model.py", "test_lora.py", "test_engines.py",
+                 "test_faults.py", "test_real_path.py", "test_sampler.py", "test_plan.py",
+                 "test_method_run.py", "test_bench.py", "test_experiments.py",
+                 "test_readme_example.py", "test_demo.py", "test_multihost_train.py",
+                 "test_paged_engine.py", "test_resume_changes.py", "test_stabilizers.py",
+                 "test_sharding.py", "test_mistakes.py", "test_loss_terms.py",
+                 "test_attention.py", "test_chaos.py", "test_results_tables.py",
+                 "test_bench_peer.py")
 
 
 LONG = os.environ.get("ERPO_LONG_TESTS") == "1"
+
+
+def pytest_configure(config):
+    # pytest-xdist deals the files out by their number of tests unless told
+    # not to (its --loadscope-reorder is on by default), which puts the long
+    # files of one or two tests (test_multihost_train.py, test_demo.py) last:
+    # the workers get them in LONGEST_FIRST's order instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _is_long(item) -> bool:
@@ -65,11 +76,24 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def sft_model(tmp_path_factory):
     """The exported model directory of a tiny SFT run (tests/tiny_runs.py),
-    made once per session and shared by every trainer test."""
+    made once per session and shared by every trainer test. Under
+    pytest-xdist the workers share one: the first to need it builds it in
+    the session's directory (under a file lock), the other waits and reads it."""
+    import fcntl
+
     from erpo_jax import cli
     from tiny_runs import sft_args
-    out = tmp_path_factory.mktemp("sft")
-    assert cli.main(sft_args(out)) == 0
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        out = tmp_path_factory.mktemp("sft")
+        assert cli.main(sft_args(out)) == 0
+    else:
+        out = tmp_path_factory.getbasetemp().parent / "sft"
+        with open(str(out) + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # released as the file closes
+            done = out.parent / "sft.done"   # written once the build passed
+            if not done.is_file():
+                assert cli.main(sft_args(out)) == 0
+                done.write_text("")
     assert (out / "model" / "config.json").is_file()
     assert (out / "model" / "erpo_tokenizer.json").is_file()
     return out / "model"

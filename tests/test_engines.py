@@ -209,9 +209,12 @@ def test_config_validation_names_engine_fields():
 def test_arithmetic_checkpoint(sft_model):
     """The session's SFT'd arithmetic checkpoint on its own task's prompts,
     4 samples each at temperature 1 (answers of several lengths, EOS-ended):
-    continuous pools smaller than, equal to and larger than G, none dividing
-    the 40 samples, and paged pools (pages of 8) draw the static engine's
-    samples."""
+    continuous pools smaller and larger than G, neither dividing the 40
+    samples, and a paged pool (pages of 8) draw the static engine's samples.
+    (A pool of G, and a second paged pool, on a trained checkpoint: test_real_path's
+    test_continuous_and_paged_engines_equal_static_on_the_chat_checkpoint;
+    on random weights, test_continuous_equals_static_for_any_pool[4] and
+    test_paged_engine's pool sizes.)"""
     from erpo_jax.model.hf import load_hf
     from erpo_jax.train.config import RunConfig, apply_overrides
     from erpo_jax.train.tasks import load_task, load_tokenizer
@@ -223,12 +226,11 @@ def test_arithmetic_checkpoint(sft_model):
     prompts = task.train_prompts[:10]
     want = StaticEngine(cfg, sc).sample(p, prompts, KEY)
     assert len(set(want.lengths)) > 3 and want.lengths.min() < sc.max_new_tokens, want.lengths
-    for slots in (3, 4, 7):
+    for slots in (3, 7):
         got = ContinuousEngine(cfg, sc, slots=slots).sample(p, prompts, KEY)
         assert_same_samples(want, got, f"arithmetic slots={slots}")
-    for slots in (3, 7):
-        got = PagedEngine(cfg, sc, slots=slots, page_size=8).sample(p, prompts, KEY)
-        assert_same_samples(want, got, f"arithmetic paged slots={slots}")
+    got = PagedEngine(cfg, sc, slots=3, page_size=8).sample(p, prompts, KEY)
+    assert_same_samples(want, got, "arithmetic paged slots=3")
 
 
 def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):

@@ -66,9 +66,9 @@ def test_zero_adapters_are_the_base_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         f = jax.jit(lambda p, c: model_lib.forward(p, c, tok)[0], static_argnums=1)
         np.testing.assert_allclose(f(p, cfg), f(b, base_cfg), atol=2e-6, rtol=0)
-        g = model_lib.hidden_states_grouped(p, cfg, tok, mask, group_size=2, query_width=4)
-        w = model_lib.hidden_states_grouped(b, base_cfg, tok, mask, group_size=2, query_width=4)
-        for x, y in zip(g, w):
+        h = jax.jit(lambda p, c: model_lib.hidden_states_grouped(p, c, tok, mask, group_size=2,
+                                                                 query_width=4), static_argnums=1)
+        for x, y in zip(h(p, cfg), h(b, base_cfg)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=0)
 
 
@@ -95,9 +95,9 @@ def test_adapter_gradient_is_the_chain_rule_of_the_full_gradient(params):
     merged = lora.merge(params, CFG)
     batch = synthetic_batch(merged, BASE_CFG, 0, num_queries=2, group_size=2)
     loss_cfg = LossConfig(beta_query=0.1, beta_policy=0.05)
-    g_full = jax.grad(_loss(BASE_CFG, batch, loss_cfg))(merged)
+    g_full = jax.jit(jax.grad(_loss(BASE_CFG, batch, loss_cfg)))(merged)
     frozen = lora.base(params)
-    g_ad = jax.grad(lambda a: _loss(CFG, batch, loss_cfg)(lora.attach(frozen, a)))(
+    g_ad = jax.jit(jax.grad(lambda a: _loss(CFG, batch, loss_cfg)(lora.attach(frozen, a))))(
         lora.adapters(params))
     s = lora.scale(CFG)
     checked = 0

@@ -142,20 +142,6 @@ def test_sigterm_resume_is_bit_identical(sft_model, tmp_path):
     assert any(not np.array_equal(x, y) for x, y in zip(params_full, c))
 
 
-def test_reference_model_is_never_run_without_policy_kl(sft_model, tmp_path):
-    cfg = load_config(None, rl_args(sft_model, tmp_path / "a", "train.steps=1",
-                                "loss.beta_query=0.1"))
-    t = Trainer(cfg)
-    try:
-        assert t.ref_params is None  # not even kept in memory
-        assert t.run()["ref_forward_calls"] == 0
-    finally:
-        t.close()
-    cfg = load_config(None, rl_args(sft_model, tmp_path / "b", "train.steps=1",
-                                "loss.beta_policy=0.04"))
-    assert train(cfg)["ref_forward_calls"] == 1
-
-
 def _tiny_update(micro_batches, nan_injector=None, sgd=False, warmup_steps=0,
                  response_width=None, temperature=1.0, share_query=False, **loss):
     from erpo_jax.model import model as M
@@ -232,7 +218,9 @@ def test_the_first_pass_mismatch_metrics_are_the_closed_forms(micro_batches):
     tokens, the share of tokens with exp(d) outside [0.9, 1.1] and the largest
     per-sequence |sum d|, over the whole mini-batch whatever its micro-batches
     (a plain mean of micro-batch means, or of their maxima, is not these)."""
-    params, state, upd, batch = _tiny_update(micro_batches)
+    # Plain SGD (the metrics are the first pass's, whatever the optimizer): with one
+    # micro-batch, the program test_micro_batch_accumulation_is_exact[ppo_clip] compiled.
+    params, state, upd, batch = _tiny_update(micro_batches, sgd=True)
     batch, off, rm = _mismatched(params, batch)
     n = rm.sum()
     want = {"mismatch/logp_abs_mean": np.abs(off).sum() / n,
@@ -447,7 +435,8 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 def test_compile_ahead_covers_the_first_step(sft_model, tmp_path, extra):
     """The rollout, reference forward and update compiled in the background for
     step 0's shapes are what the first step uses: nothing of them is lowered
-    or compiled inside the step."""
+    or compiled inside the step. And the reference model runs once per step
+    with Policy-KL, and without it is never run, not even kept in memory."""
     cfg = load_config(None, rl_args(sft_model, tmp_path / "run", "train.steps=1", *extra))
     t = Trainer(cfg)
     try:
@@ -457,6 +446,10 @@ def test_compile_ahead_covers_the_first_step(sft_model, tmp_path, extra):
         batch, cb, *_ = t._rl_batch(0)
         t._update(batch, cb, 0)
         assert _COMPILE_EVENTS == []
+        if "loss.beta_policy=0.04" in extra:
+            assert t.ref_params is not None and t.ref_forward_calls == 1
+        else:
+            assert t.ref_params is None and t.ref_forward_calls == 0
     finally:
         t.close()
     # The switch: with compile_ahead off the first step lowers (and compiles)
