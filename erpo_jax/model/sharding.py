@@ -119,7 +119,7 @@ class Sharding:
         is summed once. None where no axis of size > 1 splits a weight or
         mlp_size does not divide."""
         axes = tuple(m for m in self.weight_axes() if self.mesh.shape[m] > 1)
-        if not axes or mlp_size % math.prod(self.mesh.shape[m] for m in axes):
+        if not axes or mlp_size % axis_size(self.mesh, axes):
             return None
         return axes
 
@@ -137,11 +137,7 @@ def platform(sharding: Sharding | None) -> str:
 
 
 def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
-    if axes is None:
-        return 1
-    if isinstance(axes, str):
-        axes = (axes,)
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in _as_tuple(axes))
 
 
 def logical_to_spec(logical: Sequence[str | None], rules: Mapping[str, MeshAxes],
@@ -160,7 +156,7 @@ def logical_to_spec(logical: Sequence[str | None], rules: Mapping[str, MeshAxes]
             raise ValueError(f"{name}: logical axis {ax!r} is not in the sharding rules "
                              f"({sorted(rules)}).")
         mesh_axes = rules[ax]
-        for m in (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ()):
+        for m in _as_tuple(mesh_axes):
             if m in used:
                 raise ValueError(f"{name}: logical axes {used[m]!r} and {ax!r} both map to mesh "
                                  f"axis {m!r}; change one of them in the sharding rules.")

@@ -376,13 +376,13 @@ def _cost_loops(row: dict, prog, progs, model_cfg, mesh, top: Topology, margin: 
     whose steps a call fixes (`DecodeLoop.steps`) adds them to the program's
     FLOPs and bytes (`decode_phases`); one the schedule runs reports its
     step (`step_ms`). The full loop's step gets `decode_step`, its traffic
-    against the minimum. step_costs[(use, loop key)]: each step's (ms, FLOPs, HBM
-    bytes)."""
+    against the minimum. step_costs[(use, loop key)]: each step's (FLOPs,
+    HBM bytes)."""
     phases, full = [], None
     for loop in prog.loops:
         step = _measure(loop.lower(), top, margin)
         ms = _roofline_ms(step["xla_flops"], step["hbm_bytes"], top)
-        step_costs[prog.group, loop.key] = (ms, step["xla_flops"], step["hbm_bytes"])
+        step_costs[prog.group, loop.key] = (step["xla_flops"], step["hbm_bytes"])
         if loop.steps is None:
             row["step_flops"], row["step_bytes_accessed"] = (step["xla_flops"],
                                                              step["hbm_bytes"])
@@ -454,16 +454,16 @@ def rollout_estimate(report: dict, cfg, top: Topology, spec: str,
     G, N = r.group_size, r.max_new_tokens
     lengths = sample_lengths(spec, B * G, N)
     engine, costs = report["_engine"], report["_costs"]
-    step = lambda key: costs["steps"].get(("rollout", key))   # (ms, FLOPs, HBM bytes)
+    step = lambda key: costs["steps"].get(("rollout", key))   # (FLOPs, HBM bytes)
+    roofline = lambda flops, nbytes: _roofline_ms(flops, nbytes, top)
     out = {"lengths": spec, "samples": int(lengths.size), "mean_length": float(lengths.mean()),
            "median_length": float(np.median(lengths)),
            "truncated_frac": float(np.mean(lengths >= N)), "engine": engine.name}
     prompts = sample_lengths(prompt_spec, B, cfg.data.max_prompt_len, seed=1)
     est = engine.plan_estimate(lengths, B, cfg.data.max_prompt_len, r.max_prompts_per_call,
                                lambda part: costs["runs"].get(("rollout", part)),
-                               lambda key: step(key)[0] if step(key) else None,
-                               step_cost=lambda key: step(key)[1:] if step(key) else None,
-                               roofline_ms=lambda flops, nbytes: _roofline_ms(flops, nbytes, top),
+                               lambda key: roofline(*step(key)) if step(key) else None,
+                               step_cost=step, roofline_ms=roofline,
                                prompt_lengths=prompts)
     if est is None:
         return None
