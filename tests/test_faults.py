@@ -49,6 +49,8 @@ BAD_INPUTS = [
     ("train.eval_temperature=0", "train.eval_temperature"),
     ("rollout.top_k=-1", "rollout.top_k"),
     ("rollout.cache_phases=0", "rollout.cache_phases"),
+    ("rollout.kv_memory=1.0", "rollout.kv_memory"),
+    ("rollout.kv_memory=0.3 rollout.kv_pages=64", "rollout.kv_memory"),   # names both
     ("optim.lr=inf", "optim.lr"),
     ("optim.lr=nan", "optim.lr"),
     ("loss.beta_query=nan", "loss.beta_query"),

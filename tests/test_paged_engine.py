@@ -80,6 +80,36 @@ def test_a_pool_short_of_pages_waits_for_pages_and_draws_the_same_samples(params
     assert plan["max_live"] < 16
 
 
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_inserts_prefill_at_the_shortest_length_holding_their_prompts(params, static_out, kind):
+    """With the prefill floor lowered to 1, the inserts of a call whose
+    bucket is 16 prefill at 2, 4, 8 or 16 tokens (the last columns of the
+    left-padded rows; the first, of prompts of 12, 9 and 8 tokens, at 16):
+    the samples are the static engine's, and the
+    schedule `erpo plan` replays from the lengths alone makes the same
+    inserts at the same prefill lengths."""
+    from erpo_jax.rollout import continuous
+    plen = [len(x) for x in PROMPTS]
+    if kind == "paged":
+        engine = PagedEngine(CFG, SC, slots=9, page_size=4)
+    else:
+        engine = continuous.ContinuousEngine(CFG, SC, slots=9)
+    engine.prefill_floor = 1
+    assert engine.prefill_lengths(16) == [2, 4, 8, 16]
+    out = engine.sample(params, PROMPTS, KEY)
+    assert_same_samples(static_out, out, f"{kind}, prefill below the bucket")
+    lengths = {t for (q, t) in engine.last_inserts if q}
+    assert min(lengths) < 8 and max(lengths) <= 16 and len(lengths) > 1
+    prefill = lambda longest: engine.prefill_length(16, longest)
+    if kind == "paged":
+        plan = schedule(out.lengths, plen, SC.num_samples, 9, 1,
+                        engine.last_pages["pages_per_shard"], 4, SC.max_new_tokens, 0,
+                        engine._query_buckets(len(PROMPTS)), prefill)
+    else:
+        plan = engine.schedule(out.lengths, len(PROMPTS), plen, 16)
+    assert plan["inserts"] == engine.last_inserts
+
+
 @pytest.mark.long(when=lambda p: p["change"].get("max_new_tokens") == 1)
 @pytest.mark.parametrize("change", [dict(greedy=True, min_new_tokens=3),
                                     dict(max_new_tokens=1)])

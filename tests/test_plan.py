@@ -121,7 +121,8 @@ def test_plan_estimates_both_rollout_engines_on_a_length_distribution(tmp_path):
     assert step["step_ms"] == pytest.approx(1e3 * max(step["step_flops"] / 197e12,
                                                       step["step_bytes_accessed"] / 819e9))
     ms = sum(k * by[f"rollout decode {n}"]["step_ms"] for n, k in sched["steps_by_size"].items())
-    ms += sum(k * by[f"rollout insert {q}"]["estimated_ms"] for q, k in sched["inserts"].items())
+    ms += sum(k * by[f"rollout insert {q}"]["estimated_ms"]
+              for (q, _), k in sched["inserts"].items())
     assert est["estimated_ms"] == pytest.approx(ms)
     assert est["slot_utilization"] == pytest.approx((lengths - 1).sum() / sched["slot_steps"])
     assert "rollout estimate (continuous engine)" in proc.stdout
@@ -150,22 +151,31 @@ def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
     decode loop); the estimate replays its schedule on drawn response and
     prompt lengths and adds the pages the page table names, and the
     attention FLOPs on the entries the slots hold, to the compiled step's
-    bytes and FLOPs before taking its roofline."""
+    bytes and FLOPs before taking its roofline. Prompts of about 6 tokens
+    in a 256-token bucket: the inserts prefill at 128, the shortest prefill
+    length, each costed by that program."""
     from erpo_jax.rollout.paged import schedule
     spec, prompts = "lognormal:4:0.8", "lognormal:6:0.3"
-    proc, rep = _cli(tmp_path, *TINY, "rollout.engine=paged", "rollout.slots=4",
-                     "rollout.page_size=8", "--only", "rollout", "--lengths", spec,
-                     "--prompt-lengths", prompts)
+    tiny = [a for a in TINY if not a.startswith("data.max_prompt_len")]
+    proc, rep = _cli(tmp_path, *tiny, "data.max_prompt_len=256", "rollout.engine=paged",
+                     "rollout.slots=4", "rollout.page_size=8", "--only", "rollout",
+                     "--lengths", spec, "--prompt-lengths", prompts)
     assert proc.returncode == 0, proc.stderr[-2000:]
     by = {p["name"]: p for p in rep["programs"]}
-    assert list(by) == ["rollout insert 0", "rollout insert 4", "rollout decode 4"]
+    assert list(by) == ["rollout insert 0", "rollout insert 4 at 128", "rollout insert 4",
+                        "rollout decode 4"]
+    assert by["rollout insert 4 at 128"]["flops"] < by["rollout insert 4"]["flops"]
     est = rep["rollout_estimate"]
     lengths = plan_lib.sample_lengths(spec, 8, 8)
-    plen = plan_lib.sample_lengths(prompts, 4, 16, seed=1)
-    # 4 slots, one per data shard (mesh 1 x 4 x 1), of 16 + 8 tokens in pages
-    # of 8: 2 prompt and 2 own pages each, 4 pages a shard.
-    sched = schedule(lengths, plen, 2, 4, 4, 4, 8, 8)
+    plen = plan_lib.sample_lengths(prompts, 4, 256, seed=1)
+    # 4 slots, one per data shard (mesh 1 x 4 x 1), of 256 + 8 tokens in pages
+    # of 8: 32 prompt and 2 own pages each, 34 pages a shard.
+    sched = schedule(lengths, plen, 2, 4, 4, 34, 8, 8, 0, [0, 4], lambda n: 128)
     assert est["engine"] == "paged" and est["decode_steps"] == sched["steps"]
+    assert {t for (q, t) in sched["inserts"] if q} == {128}
+    assert est["insert_ms"] == pytest.approx(sum(
+        k * by["rollout insert " + (f"{q} at {t}" if q else "0")]["estimated_ms"]
+        for (q, t), k in sched["inserts"].items()))
     assert est["mean_prompt_length"] == pytest.approx(plen.mean())
     assert est["kv_read_per_step_bytes"] >= est["kv_held_per_step_bytes"] > 0
     assert 0 < est["step_ms"] and est["step_ratio"] > 0
@@ -189,9 +199,9 @@ def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
                                                      est["step_bytes"] / tpu["hbm_bytes_per_s"]))
     assert est["decode_ms"] == pytest.approx(est["decode_steps"] * est["step_ms"])
     assert "rollout estimate (paged engine)" in proc.stdout and "page table" in proc.stdout
-    # rollout.kv_pages=0: the pages grow with the slots (a slot's 4 pages of 8 entries).
+    # rollout.kv_pages=0: the pages grow with the slots (a slot's 34 pages of 8 entries).
     pool = rep["pool_capacity"]
-    assert pool["slot_bytes"] == 4 * 8 * 512 / 4 and pool["slots"] > 4
+    assert pool["slot_bytes"] == 34 * 8 * 512 / 4 and pool["slots"] > 4
     bad, _ = _cli(tmp_path, *TINY, "--only", "rollout", "--prompt-lengths", "x")
     assert bad.returncode == 2 and "--prompt-lengths 'x'" in bad.stderr
 
@@ -266,6 +276,34 @@ def test_suggest_finds_the_boundary_where_programs_stop_fitting():
     assert k in micros[1:], k
     assert plan_lib.fits(mb(k), top, margin, ("update",))
     assert not plan_lib.fits(mb(micros[micros.index(k) - 1]), top, margin, ("update",))
+
+
+def test_kv_memory_takes_a_share_of_a_chips_memory():
+    """rollout.kv_memory: the pages a share of one chip's memory holds, in
+    whole pages per data shard. For a TPU compiled for ahead of time (no
+    memory to ask) the chip's HBM comes from its kind: 16 GiB on v5e. On
+    the CPU, which reports none, and for a share too small for one sample,
+    one sentence naming the field."""
+    from erpo_jax.model.config import PRESETS
+    from erpo_jax.model.sharding import Sharding
+    from erpo_jax.rollout.paged import PagedEngine
+    from erpo_jax.rollout.types import SamplingConfig
+    from erpo_jax.runtime.mesh import chip_memory_bytes, make_mesh
+    cfg = PRESETS["tiny"]
+    sc = SamplingConfig(num_samples=2, max_new_tokens=8, temperature=1.0, max_prompt_len=16)
+    devices = plan_lib.topology("v5e-4").devices()
+    assert chip_memory_bytes(devices[0]) == 16 * 2**30
+    sh = Sharding(make_mesh((4, 1, 1), devices))
+    entry = 2 * 2 * 2 * 16 * 4 / 4      # layers x K, V x heads x head size x float32 / 4 shards
+    engine = PagedEngine(cfg, sc, sh, slots=4, page_size=8, kv_memory=1e-4)
+    assert engine.kv_pages == int(1e-4 * 16 * 2**30 // (4 * 8 * entry)) * 4 == 1676
+    assert engine.pages_per_shard(16) == 419
+    with pytest.raises(ValueError, match=r"rollout.kv_memory is 1e-09: .* holds 0 pages of 8 "
+                                         r"entries per data shard, and one sample needs 4"):
+        PagedEngine(cfg, sc, sh, slots=4, page_size=8, kv_memory=1e-9)
+    with pytest.raises(ValueError, match=r"rollout.kv_memory is 0.3.*reports none \(the CPU\): "
+                                         r"set rollout.kv_pages"):
+        PagedEngine(cfg, sc, slots=4, page_size=8, kv_memory=0.3)
 
 
 def test_pool_capacity_counts_slots_or_pages_per_chip():

@@ -17,7 +17,9 @@ so the order of the entries does not matter.
 Three jitted programs, and a host loop between them:
 
   start    the pool, empty, and every sample's key;
-  insert   prefill the prompts the next samples need, copy each prompt's
+  insert   prefill the prompts the next samples need, at the shortest of a
+           few lengths that holds them (`prefill_lengths`: not the whole
+           bucket, which the call's longest prompt set), copy each prompt's
            keys and values into the free slots its samples take (a prompt's
            G samples share one prefill: the last prompt, whose samples may
            not all have fitted, is kept in a one-prompt stash for the next
@@ -187,6 +189,7 @@ class ContinuousEngine:
     """
 
     name = "continuous"
+    prefill_floor = 128     # shortest prefill an insert compiles (`prefill_lengths`)
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig,
                  sharding: Sharding | None = None, slots: int = 0, refill: int = 0):
@@ -205,6 +208,7 @@ class ContinuousEngine:
         self.slots, self.refill = slots, refill or max(1, slots // 16)
         self.num_traces = 0
         self.last_stats: dict = {}
+        self.last_inserts: dict = {}      # the last call's {(prompts, prefill length): inserts}
         self._programs: dict = {}
 
     @classmethod
@@ -267,12 +271,34 @@ class ContinuousEngine:
     def _program(self, name: str, R: int, P: int, per_call: int = 0, Q: int = 0,
                  n: int = 0):
         """The jitted program `name` for R samples at prompt bucket P (Q:
-        prompts an insert prefills; n: the pool size, default `slots`)."""
+        prompts an insert prefills, at any of `prefill_lengths`, one trace
+        each; n: the pool size, default `slots`)."""
         key = (name, R, P, per_call, Q, n or self.slots)
         if key not in self._programs:
             self._programs[key] = getattr(self, "_make_" + name)(R, P, per_call, Q,
                                                                  n or self.slots)
         return self._programs[key]
+
+    def prefill_lengths(self, P: int) -> list[int]:
+        """Lengths an insert's prefill is compiled for at prompt bucket P,
+        shortest first: P and its halves down to P / 8, none shorter than
+        `prefill_floor` tokens. An insert prefills its prompts (left-padded
+        to P: their last T columns hold every real token) at the shortest of
+        these that holds the longest of them, so the ~100-token prompts of a
+        batch whose longest prompt set the bucket to 1,024 cost a prefill of
+        128, not 1,024. Below the floor a prefill of a few prompts reads the
+        weights more than it computes: a shorter one saves nothing and
+        compiles another program."""
+        out, t = [P], P // 2
+        while t >= max(self.prefill_floor, P // 8, 1):
+            out.insert(0, t)
+            t //= 2
+        return out
+
+    def prefill_length(self, P: int, longest: int) -> int:
+        """The prefill length (`prefill_lengths`) for prompts of at most
+        `longest` real tokens."""
+        return next(t for t in self.prefill_lengths(P) if t >= longest)
 
     def pool_sizes(self) -> list[int]:
         """The pool's sizes, largest first. Once nothing is pending, the pool
@@ -287,10 +313,15 @@ class ContinuousEngine:
             out.append(n)
         return out
 
-    def schedule(self, lengths: Sequence[int], num_prompts: int) -> dict:
-        """`schedule` of samples of these lengths with this engine's settings."""
+    def schedule(self, lengths: Sequence[int], num_prompts: int,
+                 prompt_lengths: Sequence[int] | None = None, P: int = 0) -> dict:
+        """`schedule` of samples of these lengths with this engine's settings
+        (prompt_lengths at bucket P: the inserts' prefill lengths)."""
+        prefill = (None if prompt_lengths is None else
+                   lambda longest: self.prefill_length(P, longest))
         return schedule(lengths, self.slots, self.refill, self.pool_sizes(),
-                        self.sampling.num_samples, self._query_buckets(num_prompts))
+                        self.sampling.num_samples, self._query_buckets(num_prompts),
+                        prompt_lengths, prefill)
 
     def plan_estimate(self, lengths, num_prompts: int, longest_prompt: int, max_prompts: int,
                       run_ms, step_ms, step_cost=None, roofline_ms=None,
@@ -299,19 +330,24 @@ class ContinuousEngine:
         `schedule` of these lengths, its decode steps at each pool size each
         costed as one step of that pool's decode loop, its inserts at each
         prompt count each as a call of that insert program."""
-        sched = self.schedule(lengths, num_prompts)
+        _, P = self.batch_shape(num_prompts, longest_prompt)
+        plen = (np.full(num_prompts, longest_prompt) if prompt_lengths is None
+                else np.minimum(np.asarray(prompt_lengths), P))
+        sched = self.schedule(lengths, num_prompts, plen, P)
         step = {n: step_ms(f"decode {n}") for n in sched["steps_by_size"]}
-        call = {q: run_ms(f"insert {q}") for q in sched["inserts"]}
+        parts = {qt: insert_part(*qt, P) for qt in sched["inserts"]}
+        call = {qt: run_ms(part) for qt, part in parts.items()}
         if None in step.values() or None in call.values():
             return None
         decode = sum(k * step[n] for n, k in sched["steps_by_size"].items())
-        insert = sum(k * call[q] for q, k in sched["inserts"].items())
+        insert = sum(k * call[qt] for qt, k in sched["inserts"].items())
         useful = int((np.asarray(lengths) - 1).sum())
         return {"decode_steps": sched["steps"], "slot_utilization": useful / sched["slot_steps"],
                 "estimated_ms": decode + insert, "decode_ms": decode, "insert_ms": insert,
                 "slots": self.slots,
                 "steps_by_size": {str(k): v for k, v in sched["steps_by_size"].items()},
-                "inserts": {str(k): v for k, v in sched["inserts"].items()}}
+                "inserts": {parts[qt][len("insert "):]: v for qt, v in sched["inserts"].items()},
+                "mean_prompt_length": float(plen.mean())}
 
     def kv_entry_bytes(self) -> float:
         """Bytes of one KV entry over all layers, per chip: key and value of
@@ -459,7 +495,8 @@ class ContinuousEngine:
         c = self._constrain
 
         def insert(s: PoolState, params, head, tokens, mask, src, sample, keep):
-            """tokens / mask [Q, P]: the prompts to prefill; src int32[slots]:
+            """tokens / mask [Q, T]: the prompts to prefill, the last T
+            columns of their rows of the call's [B', P]; src int32[slots]:
             where each slot's new sample's prompt is (-1 none, 0 the stash,
             1 + q the q-th prompt); sample int32[slots]: its sample (R: none);
             keep: the row of [stash, prompts] to stash next."""
@@ -487,17 +524,27 @@ class ContinuousEngine:
 
     def _prefill(self, st: Stash, params, head, tokens, mask, Q: int, P: int) -> Stash:
         """[stash, Q prompts]: the stash with the prompts' prefill (keys,
-        values, valid, last logits, real length) after it (Q = 0: the stash)."""
+        values, valid, last logits, real length) after it (Q = 0: the stash).
+        tokens / mask [Q, T], T <= P: the prompts' last T columns, prefilled
+        at T and their keys, values and valid padded on the left to P, the
+        bucket's layout (the entries before T are padding either way)."""
         cfg, sh = self.cfg, self.sharding
         if not Q:
             return st
-        cache = model_lib.init_cache(cfg, Q, P)
+        T = tokens.shape[1]
+        cache = model_lib.init_cache(cfg, Q, T)
         h, cache = model_lib.hidden_states(params, cfg, tokens, model_lib.positions_from_mask(mask),
                                            mask, cache=cache, sharding=sh)
         logits = head_logits(h[:, -1], head, cfg, sh)
+
+        def widen(a, axis):
+            pad = [(0, 0)] * a.ndim
+            pad[axis] = (P - T, 0)
+            return jnp.pad(a, pad) if T < P else a
         cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=0)
-        return Stash(tuple(map(cat, st.k, cache.k)), tuple(map(cat, st.v, cache.v)),
-                     cat(st.valid, mask), cat(st.logits, logits),
+        return Stash(tuple(cat(a, widen(b, 3)) for a, b in zip(st.k, cache.k)),
+                     tuple(cat(a, widen(b, 2)) for a, b in zip(st.v, cache.v)),
+                     cat(st.valid, widen(mask, 1)), cat(st.logits, logits),
                      cat(st.length, jnp.sum(mask, axis=-1, dtype=jnp.int32)))
 
     def _begin(self, s: PoolState, st: Stash, src, sample, keep, R: int, n: int) -> PoolState:
@@ -666,10 +713,10 @@ class ContinuousEngine:
         out = []
         if every:
             out += self._setup_programs(params, R, P, per_call)
-        for Q in self._query_buckets(B):
-            rows = lambda dtype, Q=Q: jax.ShapeDtypeStruct(
-                (Q, P), dtype, sharding=self._named(("batch", None)) if Q else None)
-            out.append((f"insert {Q}", f"{Q} prompts x {P} tokens into {self.slots} slots",
+        for Q, T in self._insert_shapes(B, P):
+            rows = lambda dtype, Q=Q, T=T: jax.ShapeDtypeStruct(
+                (Q, T), dtype, sharding=self._named(("batch", None)) if Q else None)
+            out.append((insert_part(Q, T, P), f"{Q} prompts x {T} tokens into {self.slots} slots",
                         lambda Q=Q, rows=rows: self._program("insert", R, P, 0, Q).lower(
                             state(self.slots), w, head, rows(jnp.int32), rows(jnp.bool_),
                             i32(self.slots), i32(self.slots), i32())))
@@ -684,6 +731,13 @@ class ContinuousEngine:
                             lambda n=n: self._program("shrink", R, P, n=n).lower(
                                 state(n), i32(n // 2))))
         return out
+
+    def _insert_shapes(self, num_prompts: int, P: int) -> list[tuple[int, int]]:
+        """(prompts, prefill length) of every insert program of a call: each
+        prompt count (`_query_buckets`) at each prefill length
+        (`prefill_lengths`); the insert of 0 prompts prefills nothing."""
+        return [(Q, T) for Q in self._query_buckets(num_prompts)
+                for T in (self.prefill_lengths(P) if Q else [P])]
 
     def step_programs(self, params, num_prompts: int, longest_prompt: int,
                       max_prompts: int = 0, brief: bool = False) -> list[EngineProgram]:
@@ -723,6 +777,7 @@ class ContinuousEngine:
         as `StaticEngine.run`; max_prompts keys the samples as the static engine's
         calls of that many prompts."""
         tokens, mask, B = self.prepare(prompts)
+        self.last_inserts = {}
         Bp, P = tokens.shape
         sc, n = self.sampling, self.slots
         G = sc.num_samples
@@ -748,12 +803,7 @@ class ContinuousEngine:
                 sample = np.full(n, R, np.int32)
                 sample[free[:k]] = ids
                 keep = 0 if prompt[-1] == stashed else 1 + int(np.searchsorted(fresh, prompt[-1]))
-                rows = np.concatenate([fresh, np.full(Q - fresh.size, fresh[-1] if fresh.size
-                                                      else 0)]).astype(int)
-                q_tok, q_mask = tokens[rows], mask[rows]
-                if Q and self.sharding is not None:
-                    put = self.sharding.named(("batch", None))
-                    q_tok, q_mask = jax.device_put(q_tok, put), jax.device_put(q_mask, put)
+                q_tok, q_mask = self._insert_rows(tokens, mask, fresh, Q)
                 state = self._program("insert", R, P, 0, Q)(
                     state, w, head, q_tok, q_mask, src, sample, np.int32(keep))
                 stashed, nxt = int(prompt[-1]), nxt + k
@@ -777,6 +827,24 @@ class ContinuousEngine:
             if nxt == real and not live.any():
                 break
         return self._collect(state, tokens, mask, real, steps, slot_steps), real
+
+    def _insert_rows(self, tokens, mask, fresh, Q: int):
+        """(tokens, mask) [Q, T] an insert of the prompts `fresh` (rows of
+        the call's [B', P]) takes: Q rows (the last prompt repeated), their
+        last T columns (`prefill_length` of the longest), on the data axes;
+        counted in `last_inserts`."""
+        P = tokens.shape[1]
+        rows = np.concatenate([fresh, np.full(Q - fresh.size, fresh[-1] if fresh.size
+                                              else 0)]).astype(int)
+        longest = int(mask[rows].sum(axis=1).max()) if Q else P
+        T = self.prefill_length(P, longest)
+        q_tok, q_mask = tokens[rows, P - T:], mask[rows, P - T:]
+        if Q and self.sharding is not None:
+            put = self.sharding.named(("batch", None))
+            q_tok, q_mask = jax.device_put(q_tok, put), jax.device_put(q_mask, put)
+        qt = (Q, T if Q else 0)
+        self.last_inserts[qt] = self.last_inserts.get(qt, 0) + 1
+        return q_tok, q_mask
 
     def _collect(self, state: PoolState, tokens, mask, real: int, steps: int,
                  slot_steps: int) -> Rollout:
@@ -810,17 +878,28 @@ def _select_keys(new, sample_keys, sample, R, keys):
     return jax.random.wrap_key_data(jnp.where(new[:, None], data(picked), data(keys)))
 
 
+def insert_part(Q: int, T: int, P: int) -> str:
+    """The name of the insert program of Q prompts prefilled at length T
+    (prompt bucket P): 'insert Q', or 'insert Q at T' below the bucket."""
+    return f"insert {Q}" if not Q or T >= P else f"insert {Q} at {T}"
+
+
 def schedule(lengths: Sequence[int], slots: int, refill: int = 0,
              sizes: Sequence[int] | None = None, group: int = 1,
-             buckets: Sequence[int] = (0, 1)) -> dict:
+             buckets: Sequence[int] = (0, 1), prompt_lengths: Sequence[int] | None = None,
+             prefill=None) -> dict:
     """What `ContinuousEngine` runs for samples of these response lengths (in
     sample order, `group` per prompt) over `slots` slots: its host loop,
     replayed without a model (`erpo plan` estimates a rollout from it).
 
-    refill, sizes (`pool_sizes()`), buckets (`_query_buckets`): the engine's.
+    refill, sizes (`pool_sizes()`), buckets (`_query_buckets`): the engine's;
+    prefill (longest prompt -> prefill length, the engine's `prefill_length`
+    at its bucket) with prompt_lengths (real tokens of each prompt): the
+    length each insert prefills at.
     Returns {'steps': decode steps, 'slot_steps': the pool's size summed over
     them (utilisation's denominator), 'steps_by_size': {pool size: steps},
-    'inserts': {prompts prefilled: insert calls}}.
+    'inserts': {(prompts prefilled, prefill length or 0 without prefill):
+    insert calls}}.
     """
     refill = refill or max(1, slots // 16)
     sizes = list(sizes or [slots])
@@ -833,9 +912,11 @@ def schedule(lengths: Sequence[int], slots: int, refill: int = 0,
         if nxt < total and free.size:
             k = min(free.size, total - nxt)
             prompt = np.arange(nxt, nxt + k) // group
-            fresh = np.unique(prompt[prompt != stashed]).size
-            q = next(b for b in buckets if b >= fresh)
-            inserts[q] = inserts.get(q, 0) + 1
+            fresh = np.unique(prompt[prompt != stashed])
+            q = next(b for b in buckets if b >= fresh.size)
+            t = (prefill(int(np.max(np.asarray(prompt_lengths)[fresh])))
+                 if q and prefill is not None else 0)
+            inserts[q, t] = inserts.get((q, t), 0) + 1
             left[free[:k]] = need[nxt:nxt + k]
             nxt, stashed, inserted = nxt + k, int(prompt[-1]), True
         pending = total - nxt

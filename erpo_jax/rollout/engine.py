@@ -96,6 +96,7 @@ class _Settings(NamedTuple):
     page_size: int = 16
     kv_pages: int = 0
     paged_attention: str = "auto"
+    kv_memory: float = 0.0
 
 
 def make_engine(name: str, cfg: ModelConfig, sampling: SamplingConfig,

@@ -58,7 +58,7 @@ from erpo_jax.model import model as model_lib
 from erpo_jax.model import paged_attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
-from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, pool_slots
+from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, insert_part, pool_slots
 from erpo_jax.rollout.types import Rollout, SamplingConfig
 from erpo_jax.runtime import xla_options
 from erpo_jax.runtime.distributed import to_host
@@ -90,16 +90,22 @@ class PagedEngine(ContinuousEngine):
 
     kv_pages: pages over all data shards (a multiple of the data-parallel
     size; 0: enough for every slot's longest response and prompt, the
-    continuous engine's memory). attention: 'auto' (the Pallas kernel on
-    TPU, the pure-JAX path elsewhere), 'kernel' or 'dense'.
+    continuous engine's memory). kv_memory: instead, the share of each
+    chip's memory the pages take (`pages_in_memory`; 0: off). attention:
+    'auto' (the Pallas kernel on TPU, the pure-JAX path elsewhere),
+    'kernel' or 'dense'.
     """
 
     name = "paged"
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig,
                  sharding: Sharding | None = None, slots: int = 0, refill: int = 0,
-                 page_size: int = 16, kv_pages: int = 0, attention: str = "auto"):
+                 page_size: int = 16, kv_pages: int = 0, attention: str = "auto",
+                 kv_memory: float = 0.0):
         super().__init__(cfg, sampling, sharding, slots, refill)
+        check_page_size(page_size)
+        if kv_memory:
+            kv_pages = self.pages_in_memory(kv_memory, page_size)
         check_pages(page_size, kv_pages, sampling, sharding)
         paged_attention.resolve_impl(attention, sharding, cfg.head_dim)
         self.page_size, self.kv_pages, self.attention = page_size, kv_pages, attention
@@ -109,13 +115,41 @@ class PagedEngine(ContinuousEngine):
     def from_config(cls, cfg: ModelConfig, sampling: SamplingConfig, sharding: Sharding | None,
                     rollout, rows_per_call: int) -> PagedEngine:
         """The engine of a run (`types.Engine.from_config`): the continuous
-        engine's slots and refill, and rollout.page_size, rollout.kv_pages and
-        rollout.paged_attention."""
+        engine's slots and refill, and rollout.page_size, rollout.kv_pages (or
+        rollout.kv_memory) and rollout.paged_attention."""
         return cls(cfg, sampling, sharding, slots=pool_slots(rollout.slots, sharding,
                                                              rows_per_call),
                    refill=rollout.refill,
                    page_size=rollout.page_size, kv_pages=rollout.kv_pages,
-                   attention=rollout.paged_attention)
+                   attention=rollout.paged_attention, kv_memory=rollout.kv_memory)
+
+    def pages_in_memory(self, share: float, page_size: int) -> int:
+        """The pages (over all data shards, a multiple of their number) that
+        take `share` of one chip's memory (`runtime.mesh.chip_memory_bytes`:
+        what the runtime reports, or a TPU's HBM by its kind when `erpo plan`
+        compiles for it): a page of the pool is page_size KV entries over all
+        layers, split over the data shards and the KV heads' tensor shards
+        as `kv_entry_bytes`. The share is of the whole chip, weights and
+        activations not taken off: `erpo plan` checks that the run fits."""
+        from erpo_jax.runtime.mesh import chip_memory_bytes
+        devices = (self.sharding.mesh.devices.flat if self.sharding is not None
+                   else jax.devices()[:1])
+        memory = chip_memory_bytes(next(iter(devices)))
+        if memory is None:
+            raise ValueError(f"rollout.kv_memory is {share}, a share of a chip's memory, but "
+                             "this device reports none (the CPU): set rollout.kv_pages "
+                             "instead.")
+        page = page_size * self.kv_entry_bytes()
+        pages = int(share * memory // (self.shards * page)) * self.shards
+        need = (-(-self.sampling.max_prompt_len // page_size)
+                + own_pages(page_size, self.sampling.max_new_tokens))
+        if pages // self.shards < need:
+            raise ValueError(
+                f"rollout.kv_memory is {share}: {share:g} of a chip's {memory / 2**30:.1f} GiB "
+                f"holds {pages // self.shards} pages of {page_size} entries per data shard, "
+                f"and one sample needs {need}: raise it to at least "
+                f"{need * self.shards * page / memory:.2g}.")
+        return pages
 
     # ------------------------------------------------------------------ shapes
 
@@ -204,7 +238,7 @@ class PagedEngine(ContinuousEngine):
 
         def insert(s: PoolState, params, head, tokens, mask, src, sample, keep, table,
                    kv_len, w_row, w_start, w_page):
-            """tokens / mask [Q, P], src, sample, keep: the continuous engine's
+            """tokens / mask [Q, T], src, sample, keep: the continuous engine's
             insert's. table int32[slots, pages per slot], kv_len int32[slots]:
             the new slots' page tables and prompt lengths. w_row / w_start /
             w_page int32[shards * W]: page writes, shard d's in chunk d, each
@@ -281,11 +315,11 @@ class PagedEngine(ContinuousEngine):
         if every:
             out += self._setup_programs(params, R, P, per_call)
         pps = self.pages_per_slot(P)
-        for Q in self._query_buckets(B):
-            rows = lambda dtype, Q=Q: jax.ShapeDtypeStruct(
-                (Q, P), dtype, sharding=self._named(("batch", None)) if Q else None)
+        for Q, T in self._insert_shapes(B, P):
+            rows = lambda dtype, Q=Q, T=T: jax.ShapeDtypeStruct(
+                (Q, T), dtype, sharding=self._named(("batch", None)) if Q else None)
             W = self.shards * self._writes(Q, P)
-            out.append((f"insert {Q}", f"{Q} prompts x {P} tokens into {n} slots",
+            out.append((insert_part(Q, T, P), f"{Q} prompts x {T} tokens into {n} slots",
                         lambda Q=Q, rows=rows, W=W: self._program("insert", R, P, 0, Q).lower(
                             state, w, head, rows(jnp.int32), rows(jnp.bool_), i32(n), i32(n),
                             i32(), i32(n, pps), i32(n), i32(W), i32(W), i32(W))))
@@ -327,9 +361,11 @@ class PagedEngine(ContinuousEngine):
         plen = (np.full(num_prompts, longest_prompt) if prompt_lengths is None
                 else np.minimum(np.asarray(prompt_lengths), P))
         sched = schedule(lengths, plen, G, self.slots, self.shards, self.pages_per_shard(P),
-                         self.page_size, self.sampling.max_new_tokens, self.refill)
+                         self.page_size, self.sampling.max_new_tokens, self.refill,
+                         self._query_buckets(B), lambda longest: self.prefill_length(P, longest))
         compiled = step_cost(f"decode {self.slots}")
-        call = {q: run_ms(f"insert {q}") for q in self._query_buckets(B)}
+        parts = {qt: insert_part(*qt, P) for qt in sched["inserts"]}
+        call = {qt: run_ms(part) for qt, part in parts.items()}
         if compiled is None or None in call.values():
             return None
         steps = max(sched["steps"], 1)
@@ -340,9 +376,7 @@ class PagedEngine(ContinuousEngine):
         step = roofline_ms(step_flops, step_bytes)
         decode = sched["steps"] * step
         weights = self.weights_bytes()
-        # Inserts: one per placement, at the smallest bucket holding its prompts.
-        insert = sum(k * call[next(b for b in call if b >= q)]
-                     for q, k in sched["inserts"].items())
+        insert = sum(k * call[qt] for qt, k in sched["inserts"].items())
         useful = int((np.asarray(lengths) - 1).sum())
         return {"decode_steps": sched["steps"], "slot_utilization": useful / sched["slot_steps"],
                 "estimated_ms": decode + insert, "decode_ms": decode, "insert_ms": insert,
@@ -355,7 +389,7 @@ class PagedEngine(ContinuousEngine):
                 "step_bytes": step_bytes, "step_minimum_bytes": weights + held,
                 "step_ratio": step_bytes / (weights + held),
                 "steps_by_size": {str(self.slots): sched["steps"]},
-                "inserts": {str(k): v for k, v in sched["inserts"].items()}}
+                "inserts": {parts[qt][len("insert "):]: v for qt, v in sched["inserts"].items()}}
 
     def weights_bytes(self) -> float:
         """The weights a decode step reads per chip, in the compute dtype: the
@@ -372,6 +406,7 @@ class PagedEngine(ContinuousEngine):
         """(Rollout of device arrays over B' * G rows, real rows B * G), as
         `ContinuousEngine.run`, with the page book kept here."""
         tokens, mask, B = self.prepare(prompts)
+        self.last_inserts = {}
         Bp, P = tokens.shape
         sc, n, ps = self.sampling, self.slots, self.page_size
         G, N = sc.num_samples, sc.max_new_tokens
@@ -417,8 +452,6 @@ class PagedEngine(ContinuousEngine):
                         writes[d].append((row_of(b), start + full * ps, book.first_own(slot)))
                         occupied[slot] = r
                     keep = row_of(int(prompt[-1]))
-                    rows = np.concatenate([fresh, np.full(Q - fresh.size, fresh[-1] if fresh.size
-                                                          else 0)]).astype(int)
                     W = self._writes(Q, P)
                     wr = np.zeros((3, book.shards, W), np.int32)
                     wr[2] = book.per_shard                        # out of range: no write
@@ -426,10 +459,7 @@ class PagedEngine(ContinuousEngine):
                         if ws:
                             wr[:, d, :len(ws)] = np.array(ws, np.int32).T
                     wr = wr.reshape(3, -1)
-                    q_tok, q_mask = tokens[rows], mask[rows]
-                    if Q and self.sharding is not None:
-                        put = self.sharding.named(("batch", None))
-                        q_tok, q_mask = jax.device_put(q_tok, put), jax.device_put(q_mask, put)
+                    q_tok, q_mask = self._insert_rows(tokens, mask, fresh, Q)
                     state = self._program("insert", R, P, 0, Q)(
                         state, w, head, q_tok, q_mask, src, sample, np.int32(keep), table,
                         kv_len, wr[0], wr[1], wr[2])
@@ -569,14 +599,17 @@ class PageBook:
 
 def schedule(lengths: Sequence[int], prompt_lengths: Sequence[int], group: int, slots: int,
              shards: int, pages_per_shard: int, page_size: int, max_new_tokens: int,
-             refill: int = 0) -> dict:
+             refill: int = 0, buckets: Sequence[int] | None = None, prefill=None) -> dict:
     """What `PagedEngine.run` does for samples of these response lengths (in
     sample order, `group` per prompt of prompt_lengths[b] tokens): its host
     loop and page book, replayed without a model (`erpo plan` estimates a
     rollout from it).
 
+    buckets (`_query_buckets`) and prefill (longest prompt -> prefill
+    length): the engine's, as the continuous `schedule` takes them.
     Returns the continuous `schedule`'s keys ('steps', 'slot_steps',
-    'steps_by_size', 'inserts' as prompts placed per insert) and
+    'steps_by_size', 'inserts' as (prompts prefilled, rounded up to
+    buckets; prefill length or 0): calls) and
     'entries_held' / 'entries_read': summed over the decode steps, the KV
     entries the live slots hold (their prompt's real tokens and the tokens
     fed so far) and the entries of the pages the attention kernel copies
@@ -593,7 +626,7 @@ def schedule(lengths: Sequence[int], prompt_lengths: Sequence[int], group: int, 
     left = np.zeros(slots, np.int64)               # decode steps each slot still needs
     pos = np.zeros(slots, np.int64)                # entries each slot holds before its next step
     occupied = np.full(slots, -1)
-    nxt, total, steps, held, read, max_live = 0, lengths.size, 0, 0, 0, 0
+    nxt, total, steps, held, read, max_live, stashed = 0, lengths.size, 0, 0, 0, 0, -1
     inserts: dict = {}
     while True:
         for s in np.flatnonzero((occupied >= 0) & (left == 0)):
@@ -605,8 +638,13 @@ def schedule(lengths: Sequence[int], prompt_lengths: Sequence[int], group: int, 
             if placed:
                 for s, r in placed:
                     occupied[s], left[s], pos[s] = r, need[r], plen[r // group]
-                prompts = len({r // group for _, r in placed})
-                inserts[prompts] = inserts.get(prompts, 0) + 1
+                # As the engine: prefill the prompts not in the one-prompt stash.
+                prompt = np.array([r for _, r in placed]) // group
+                fresh = np.unique(prompt[prompt != stashed])
+                q = next(b for b in buckets if b >= fresh.size) if buckets else fresh.size
+                t = prefill(int(plen[fresh].max())) if q and fresh.size and prefill else 0
+                inserts[q, t] = inserts.get((q, t), 0) + 1
+                stashed = int(prompt[-1])
                 nxt, inserted = nxt + len(placed), True
         pending = total - nxt
         free = int(np.sum(occupied < 0))

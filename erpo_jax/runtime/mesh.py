@@ -50,3 +50,24 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[Any] | None =
     except Exception:  # non-TPU topologies or odd device counts: plain order
         grid = np.asarray(devices).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+# A Cloud TPU chip's HBM in GiB by JAX's `device_kind` (Cloud TPU docs, per
+# generation: v4, v5e, v5p, v6e; `erpo plan`'s chip table reads it from here).
+CHIP_HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
+
+
+def chip_memory_bytes(device) -> float | None:
+    """The memory one accelerator chip gives a program: what the runtime
+    reports (`memory_stats()['bytes_limit']`) for a local device, else, for a
+    TPU `erpo plan` compiles for without holding it, the chip's HBM by its
+    kind; None where neither is known (the CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:            # not addressable: an ahead-of-time topology's device
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    gib = CHIP_HBM_GIB.get(getattr(device, "device_kind", ""))
+    return None if gib is None else gib * 2.0**30
+

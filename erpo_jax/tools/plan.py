@@ -63,6 +63,7 @@ import sys
 import time
 from pathlib import Path
 
+from erpo_jax.runtime.mesh import CHIP_HBM_GIB
 from erpo_jax.tools.hbm import hbm_bytes, paged_kernel_pages
 
 GIB = 2 ** 30
@@ -76,10 +77,10 @@ GIB = 2 ** 30
 SOURCE = ("Cloud TPU docs, per-chip specifications: cloud.google.com/tpu/docs/v4, "
           "/v5e, /v5p, /v6e")
 _CHIPS = {  # generation: (topology prefix, chip config, HBM GiB, peak bf16 TFLOP/s, HBM GB/s)
-    "v4": ("v4", "megacore", 32, 275, 1200),
-    "v5e": ("v5e", "default", 16, 197, 819),
-    "v5p": ("v5p", "megacore", 95, 459, 2765),
-    "v6e": ("v6e", "default", 32, 918, 1638),
+    "v4": ("v4", "megacore", CHIP_HBM_GIB["TPU v4"], 275, 1200),
+    "v5e": ("v5e", "default", CHIP_HBM_GIB["TPU v5 lite"], 197, 819),
+    "v5p": ("v5p", "megacore", CHIP_HBM_GIB["TPU v5"], 459, 2765),
+    "v6e": ("v6e", "default", CHIP_HBM_GIB["TPU v6 lite"], 918, 1638),
 }
 
 

@@ -169,6 +169,10 @@ class RolloutSection:
     # prompt and response, the continuous engine's memory; fewer: inserting
     # waits for pages to free).
     kv_pages: int = 0
+    # Or the share of each chip's memory its pages take, e.g. 0.3 (0: off;
+    # the chip's memory as the runtime reports it, or a TPU's HBM in `erpo
+    # plan`; not on the CPU). Exclusive with kv_pages.
+    kv_memory: float = 0.0
     # The paged engine's decode attention: 'auto' (jax's Pallas ragged paged
     # attention kernel on TPU where the head size is a multiple of 128, the
     # pure-JAX path elsewhere), 'kernel' or 'dense' (model.paged_attention).
@@ -392,6 +396,12 @@ def _validate_ranges(cfg: RunConfig) -> None:
     if r.paged_attention not in IMPLS:
         _fail("rollout.paged_attention", f"is {r.paged_attention!r}; choose one of "
               f"{', '.join(map(repr, IMPLS))}.")
+    if not 0 <= r.kv_memory < 1:
+        _fail("rollout.kv_memory", f"is {r.kv_memory}; it is a share of a chip's memory in "
+              "[0, 1) (0: off), e.g. 0.3.")
+    if r.kv_memory and r.kv_pages:
+        _fail("rollout.kv_memory", f"is {r.kv_memory} and rollout.kv_pages is {r.kv_pages}; "
+              "both set the paged engine's pages: set one of them (the other to 0).")
     if r.cache_phases < 1:
         _fail("rollout.cache_phases", f"must be >= 1 (1 = the whole cache from the start), "
               f"got {r.cache_phases}.")
