@@ -240,7 +240,9 @@ def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):
     And its MLP kernels split their hidden axis (`model.decode_layout`), so
     no chip exchanges the [slots, intermediate] activations: down's output
     is the one sum. Under the training layout gate's and up's are summed
-    across chips in every layer (one all-reduce of the pair)."""
+    across chips in every layer (one all-reduce of the pair). An insert's
+    prefill of a few prompts is weight-stationary too: under the training
+    rules it would gather every weight for 4 prompts."""
     sharding = Sharding(make_mesh((1, 4, 1), jax.devices()[:4]))
     sc = SamplingConfig(max_new_tokens=8, num_samples=2, eos_ids=EOS)
     engine = ContinuousEngine(CFG, sc, sharding, slots=8)
@@ -253,14 +255,19 @@ def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):
     hidden = 8 * CFG.intermediate_size              # [slots, intermediate]
     assert sharding.decode_mlp_axes(CFG.intermediate_size) == ("fsdp",)
 
-    def compiled():
+    def compiled(name="decode 8"):
         engine._programs.clear()
-        decode = dict((n, f) for n, _, f in engine.programs(abstract, 8, 8))["decode 8"]
-        return decode().compile().as_text()
+        program = dict((n, f) for n, _, f in engine.programs(abstract, 8, 8))[name]
+        return program().compile().as_text()
 
     hlo = compiled()
     sizes = all_gather_sizes(hlo)
     assert sizes and max(sizes) < smallest_matrix, (sizes, smallest_matrix)
+    # An insert of 4 prompts gathers activations ([4 x 8 tokens, hidden] is as
+    # large as the smallest kernel here): 36% of the layers' weights on this
+    # tiny model, against all of them and more under the training rules (below).
+    layer_weights = CFG.num_layers * sum(int(np.prod(s)) for s in per_layer if len(s) >= 2)
+    assert sum(all_gather_sizes(compiled("insert 4"))) < layer_weights / 2
     assert max(collective_sizes(hlo, "all-reduce")) < hidden
     with monkeypatch.context() as m:   # the training layout of the MLP kernels
         m.setattr(Sharding, "decode_mlp_axes", lambda self, size: None)
@@ -268,6 +275,7 @@ def test_continuous_decode_moves_activations_not_weights(params, monkeypatch):
     assert sum(n >= hidden for n in summed) >= CFG.num_layers, summed
     monkeypatch.setattr(Sharding, "weight_stationary", lambda self, mlp_axes=None: self)
     assert sum(n >= smallest_matrix for n in all_gather_sizes(compiled())) >= 4 * CFG.num_layers
+    assert sum(all_gather_sizes(compiled("insert 4"))) >= layer_weights
 
 
 def test_auto_picks_paged_where_its_attention_is_the_tpu_kernel():

@@ -22,9 +22,9 @@ GIB = 2 ** 30
 def main(paths: list[str]) -> None:
     reports = [json.load(open(p)) for p in paths]
     print("| config | topology | engine | slots | decode steps per RL step | slot utilisation "
-          "| rollout est. s per RL step | largest program peak GiB/chip | one decode step "
-          "reads GiB/chip, HBM (x minimum) | XLA's count GiB/chip |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| rollout est. s per RL step | of which inserts s | largest program peak GiB/chip "
+          "| one decode step reads GiB/chip, HBM (x minimum) | XLA's count GiB/chip |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in sorted(reports, key=lambda r: (r["config"], r["rollout_estimate"]["engine"],
                                             r["rollout_estimate"].get("slots", 0))):
         e = r["rollout_estimate"]
@@ -38,10 +38,11 @@ def main(paths: list[str]) -> None:
             xla = decode["step_xla_bytes_accessed"]
         else:
             nbytes, ratio, xla = step["bytes_accessed"], step["ratio"], step["xla_bytes_accessed"]
+        inserts = f"{e['insert_ms'] / 1e3:.1f}" if "insert_ms" in e else "-"
         print(f"| {r['config']} | {r['topology']} | {e['engine']} | {e.get('slots', '-')} "
               f"| {e['decode_steps']:,} "
               f"| {100 * e['slot_utilization']:.0f}% | {e['estimated_ms'] / 1e3:.1f} "
-              f"| {peak:.2f} | {nbytes / GIB:.2f} ({ratio:.2f}x) | {xla / GIB:.2f} |")
+              f"| {inserts} | {peak:.2f} | {nbytes / GIB:.2f} ({ratio:.2f}x) | {xla / GIB:.2f} |")
     print()
     print("| config | topology | program | peak GiB/chip | est. ms per call (per step for "
           "a decode) | compile s |")
