@@ -330,24 +330,38 @@ class ContinuousEngine:
         `schedule` of these lengths, its decode steps at each pool size each
         costed as one step of that pool's decode loop, its inserts at each
         prompt count each as a call of that insert program."""
-        _, P = self.batch_shape(num_prompts, longest_prompt)
-        plen = (np.full(num_prompts, longest_prompt) if prompt_lengths is None
-                else np.minimum(np.asarray(prompt_lengths), P))
+        P, plen = self._plan_prompts(num_prompts, longest_prompt, prompt_lengths)
         sched = self.schedule(lengths, num_prompts, plen, P)
         step = {n: step_ms(f"decode {n}") for n in sched["steps_by_size"]}
-        parts = {qt: insert_part(*qt, P) for qt in sched["inserts"]}
-        call = {qt: run_ms(part) for qt, part in parts.items()}
-        if None in step.values() or None in call.values():
+        insert, inserts = self._costed_inserts(sched["inserts"], P, run_ms)
+        if None in step.values() or insert is None:
             return None
         decode = sum(k * step[n] for n, k in sched["steps_by_size"].items())
-        insert = sum(k * call[qt] for qt, k in sched["inserts"].items())
         useful = int((np.asarray(lengths) - 1).sum())
         return {"decode_steps": sched["steps"], "slot_utilization": useful / sched["slot_steps"],
                 "estimated_ms": decode + insert, "decode_ms": decode, "insert_ms": insert,
                 "slots": self.slots,
                 "steps_by_size": {str(k): v for k, v in sched["steps_by_size"].items()},
-                "inserts": {parts[qt][len("insert "):]: v for qt, v in sched["inserts"].items()},
-                "mean_prompt_length": float(plen.mean())}
+                "inserts": inserts, "mean_prompt_length": float(plen.mean())}
+
+    def _plan_prompts(self, num_prompts: int, longest_prompt: int, prompt_lengths):
+        """(P, real tokens of each prompt) `plan_estimate` replays: the
+        bucket of the longest prompt, and prompt_lengths capped at it
+        (default: every prompt longest_prompt long)."""
+        _, P = self.batch_shape(num_prompts, longest_prompt)
+        plen = (np.full(num_prompts, longest_prompt) if prompt_lengths is None
+                else np.minimum(np.asarray(prompt_lengths), P))
+        return P, plen
+
+    @staticmethod
+    def _costed_inserts(inserts: dict, P: int, run_ms) -> tuple[float | None, dict]:
+        """(ms, {program name less 'insert ': calls}) of a schedule's inserts
+        {(prompts, prefill length): calls}, each call costed as its program
+        (`insert_part`); ms None where a program was not compiled."""
+        parts = {qt: insert_part(*qt, P) for qt in inserts}
+        call = {qt: run_ms(part) for qt, part in parts.items()}
+        ms = None if None in call.values() else sum(k * call[qt] for qt, k in inserts.items())
+        return ms, {parts[qt][len("insert "):]: k for qt, k in inserts.items()}
 
     def kv_entry_bytes(self) -> float:
         """Bytes of one KV entry over all layers, per chip: key and value of

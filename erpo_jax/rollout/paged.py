@@ -104,11 +104,12 @@ class PagedEngine(ContinuousEngine):
                  kv_memory: float = 0.0):
         super().__init__(cfg, sampling, sharding, slots, refill)
         check_page_size(page_size)
+        self.page_size = page_size
         if kv_memory:
-            kv_pages = self.pages_in_memory(kv_memory, page_size)
+            kv_pages = self.pages_in_memory(kv_memory)
         check_pages(page_size, kv_pages, sampling, sharding)
         paged_attention.resolve_impl(attention, sharding, cfg.head_dim)
-        self.page_size, self.kv_pages, self.attention = page_size, kv_pages, attention
+        self.kv_pages, self.attention = kv_pages, attention
         self.last_pages: dict = {}
 
     @classmethod
@@ -123,13 +124,11 @@ class PagedEngine(ContinuousEngine):
                    page_size=rollout.page_size, kv_pages=rollout.kv_pages,
                    attention=rollout.paged_attention, kv_memory=rollout.kv_memory)
 
-    def pages_in_memory(self, share: float, page_size: int) -> int:
+    def pages_in_memory(self, share: float) -> int:
         """The pages (over all data shards, a multiple of their number) that
         take `share` of one chip's memory (`runtime.mesh.chip_memory_bytes`:
         what the runtime reports, or a TPU's HBM by its kind when `erpo plan`
-        compiles for it): a page of the pool is page_size KV entries over all
-        layers, split over the data shards and the KV heads' tensor shards
-        as `kv_entry_bytes`. The share is of the whole chip, weights and
+        compiles for it), in pages of `page_bytes`. The share is of the whole chip, weights and
         activations not taken off: `erpo plan` checks that the run fits."""
         from erpo_jax.runtime.mesh import chip_memory_bytes
         devices = (self.sharding.mesh.devices.flat if self.sharding is not None
@@ -139,14 +138,13 @@ class PagedEngine(ContinuousEngine):
             raise ValueError(f"rollout.kv_memory is {share}, a share of a chip's memory, but "
                              "this device reports none (the CPU): set rollout.kv_pages "
                              "instead.")
-        page = page_size * self.kv_entry_bytes()
+        page = self.page_bytes()
         pages = int(share * memory // (self.shards * page)) * self.shards
-        need = (-(-self.sampling.max_prompt_len // page_size)
-                + own_pages(page_size, self.sampling.max_new_tokens))
+        need = sample_pages(self.page_size, self.sampling)
         if pages // self.shards < need:
             raise ValueError(
                 f"rollout.kv_memory is {share}: {share:g} of a chip's {memory / 2**30:.1f} GiB "
-                f"holds {pages // self.shards} pages of {page_size} entries per data shard, "
+                f"holds {pages // self.shards} pages of {self.page_size} entries per data shard, "
                 f"and one sample needs {need}: raise it to at least "
                 f"{need * self.shards * page / memory:.2g}.")
         return pages
@@ -182,12 +180,18 @@ class PagedEngine(ContinuousEngine):
         hold at their longest samples)."""
         if not self.kv_pages:
             return super().pool_capacity(P, free_bytes)
-        page = self.page_size * self.kv_entry_bytes()          # one page (of the whole pool), per chip
+        page = self.page_bytes()
         more = int(free_bytes // (self.shards * page)) * self.shards if free_bytes > 0 else 0
         pages = self.kv_pages + more
         return {"kv_pages": pages, "kv_pages_now": self.kv_pages,
                 "slots_at_longest": pages // self.pages_per_slot(P) // self.shards * self.shards,
                 "page_bytes": page}
+
+    def page_bytes(self) -> float:
+        """One page of the pool, per chip: page_size KV entries over all
+        layers, split over the data shards and the KV heads' tensor shards
+        as `kv_entry_bytes`."""
+        return self.page_size * self.kv_entry_bytes()
 
     def cache_length(self, P: int) -> int:
         """Entries one slot's page table can name."""
@@ -356,17 +360,15 @@ class PagedEngine(ContinuousEngine):
         hold, both per chip."""
         if step_cost is None or roofline_ms is None:
             return None
-        B, P = self.batch_shape(num_prompts, longest_prompt)
+        B, _ = self.batch_shape(num_prompts, longest_prompt)
+        P, plen = self._plan_prompts(num_prompts, longest_prompt, prompt_lengths)
         G = self.sampling.num_samples
-        plen = (np.full(num_prompts, longest_prompt) if prompt_lengths is None
-                else np.minimum(np.asarray(prompt_lengths), P))
         sched = schedule(lengths, plen, G, self.slots, self.shards, self.pages_per_shard(P),
                          self.page_size, self.sampling.max_new_tokens, self.refill,
                          self._query_buckets(B), lambda longest: self.prefill_length(P, longest))
         compiled = step_cost(f"decode {self.slots}")
-        parts = {qt: insert_part(*qt, P) for qt in sched["inserts"]}
-        call = {qt: run_ms(part) for qt, part in parts.items()}
-        if compiled is None or None in call.values():
+        insert, inserts = self._costed_inserts(sched["inserts"], P, run_ms)
+        if compiled is None or insert is None:
             return None
         steps = max(sched["steps"], 1)
         read = sched["entries_read"] * self.kv_entry_bytes() / steps     # per step, per chip
@@ -376,7 +378,6 @@ class PagedEngine(ContinuousEngine):
         step = roofline_ms(step_flops, step_bytes)
         decode = sched["steps"] * step
         weights = self.weights_bytes()
-        insert = sum(k * call[qt] for qt, k in sched["inserts"].items())
         useful = int((np.asarray(lengths) - 1).sum())
         return {"decode_steps": sched["steps"], "slot_utilization": useful / sched["slot_steps"],
                 "estimated_ms": decode + insert, "decode_ms": decode, "insert_ms": insert,
@@ -389,7 +390,7 @@ class PagedEngine(ContinuousEngine):
                 "step_bytes": step_bytes, "step_minimum_bytes": weights + held,
                 "step_ratio": step_bytes / (weights + held),
                 "steps_by_size": {str(self.slots): sched["steps"]},
-                "inserts": {parts[qt][len("insert "):]: v for qt, v in sched["inserts"].items()}}
+                "inserts": inserts}
 
     def weights_bytes(self) -> float:
         """The weights a decode step reads per chip, in the compute dtype: the
@@ -486,6 +487,12 @@ class PagedEngine(ContinuousEngine):
         return out, real
 
 
+def sample_pages(page_size: int, sc: SamplingConfig) -> int:
+    """Pages one sample can need on its shard: the longest prompt's
+    (sc.max_prompt_len) and its own (`own_pages`)."""
+    return -(-sc.max_prompt_len // page_size) + own_pages(page_size, sc.max_new_tokens)
+
+
 def check_page_size(page_size: int) -> None:
     if page_size < 1 or page_size & (page_size - 1) or page_size > 1024:
         raise ValueError(f"rollout.page_size is {page_size}; it must be a power of two up to "
@@ -504,7 +511,7 @@ def check_pages(page_size: int, kv_pages: int, sc: SamplingConfig,
         raise ValueError(f"rollout.kv_pages is {kv_pages}; it must be 0 (automatic) or a "
                          f"positive multiple of the {shards} data shards the pages lie over.")
     if kv_pages:
-        need = -(-sc.max_prompt_len // page_size) + own_pages(page_size, sc.max_new_tokens)
+        need = sample_pages(page_size, sc)
         if kv_pages // shards < need:
             raise ValueError(
                 f"rollout.kv_pages is {kv_pages} ({kv_pages // shards} per data shard); one "
