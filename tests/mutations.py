@@ -118,6 +118,14 @@ MUTATIONS = [
              "tokens[rows, P - T:], mask[rows, P - T:]", "tokens[rows, :T], mask[rows, :T]",
              ("tests/test_paged_engine.py::"
               "test_inserts_prefill_at_the_shortest_length_holding_their_prompts",)),
+    Mutation("paged_shrink_across_shards", "the paged pool halves by its live slots alone, "
+             "moving slots to another shard's pages", "erpo_jax/rollout/paged.py",
+             "    per = live.size // shards\n",
+             "    if live.sum() <= live.size // 2:\n        return np.concatenate("
+             "[np.flatnonzero(live), np.flatnonzero(~live)])[:live.size // 2]\n"
+             "    per = live.size // shards\n",
+             ("tests/test_paged_engine.py::"
+              "test_the_pool_drains_shard_by_shard_and_draws_the_same_samples",)),
     Mutation("weights_not_unit_mean", "per-query weights are not rescaled to mean 1",
              "erpo_jax/rl/weights.py", "w = raw / raw.mean()", "w = raw",
              ("tests/test_weights.py",)),

@@ -74,7 +74,8 @@ def test_a_pool_short_of_pages_waits_for_pages_and_draws_the_same_samples(params
     # The schedule `erpo plan` replays from lengths alone is the one each engine ran.
     for engine, out in ((roomy, a), (tight, b)):
         plan = schedule(out.lengths, [len(x) for x in PROMPTS], SC.num_samples, 16, 1,
-                        engine.last_pages["pages_per_shard"], 4, SC.max_new_tokens)
+                        engine.last_pages["pages_per_shard"], 4, SC.max_new_tokens,
+                        sizes=engine.pool_sizes())
         assert plan["steps"] == engine.last_stats["decode_steps"]
         assert plan["peak_pages"] == engine.last_pages["peak_pages_used"]
     assert plan["max_live"] < 16
@@ -104,7 +105,7 @@ def test_inserts_prefill_at_the_shortest_length_holding_their_prompts(params, st
     if kind == "paged":
         plan = schedule(out.lengths, plen, SC.num_samples, 9, 1,
                         engine.last_pages["pages_per_shard"], 4, SC.max_new_tokens, 0,
-                        engine._query_buckets(len(PROMPTS)), prefill)
+                        engine._query_buckets(len(PROMPTS)), prefill, engine.pool_sizes())
     else:
         plan = engine.schedule(out.lengths, len(PROMPTS), plen, 16)
     assert plan["inserts"] == engine.last_inserts
@@ -139,6 +140,61 @@ def test_sharded_equals_static(params, static_out, mesh):
     engine = PagedEngine(CFG, SC, sh, slots=8, page_size=4)
     out = engine.sample(p, PROMPTS, KEY)
     assert_same_samples(static_out, out, f"mesh={mesh}")
+
+
+def test_the_pool_drains_shard_by_shard_and_draws_the_same_samples(params, static_out):
+    """Once nothing is pending the pool halves while every shard has at most
+    half its slots live, each slot staying on its shard (its table names
+    that shard's pages): 8 slots over 2 data shards drain to 4 and 2 (a
+    pool halved by its live slots alone would move one to the other shard).
+    The samples are the static engine's, and the schedule `erpo plan`
+    replays from the lengths makes the same steps at the same pool sizes."""
+    sh = Sharding(make_mesh((2, 1, 1), jax.devices()[:2]))
+    p = jax.device_put(params, model_lib.param_shardings(CFG, sh))
+    engine = PagedEngine(CFG, SC, sh, slots=8, page_size=4)
+    assert engine.pool_sizes() == [8, 4, 2]
+    out = engine.sample(p, PROMPTS, KEY)
+    assert_same_samples(static_out, out, "a draining pool over 2 shards")
+    plan = schedule(out.lengths, [len(x) for x in PROMPTS], SC.num_samples, 8, 2,
+                    engine.last_pages["pages_per_shard"], 4, SC.max_new_tokens, 0,
+                    engine._query_buckets(len(PROMPTS)),
+                    lambda longest: engine.prefill_length(16, longest), engine.pool_sizes())
+    assert len(plan["steps_by_size"]) > 2, plan["steps_by_size"]
+    stats = engine.last_stats
+    assert plan["steps"] == stats["decode_steps"]
+    useful = int((static_out.lengths - 1).sum())
+    assert stats["slot_utilization"] == pytest.approx(useful / plan["slot_steps"])
+
+
+def test_the_plan_costs_each_pool_size_by_its_own_step():
+    """`plan_estimate` with a draining pool: each size's steps at that size's
+    compiled step plus the KV its slots read there (counted from the page
+    book by size), not every step at the full pool's cost."""
+    engine = PagedEngine(CFG, SC, slots=16, page_size=4)
+    sizes = engine.pool_sizes()
+    assert sizes == [16, 8, 4, 2]
+    compiled = {n: (1e6 * n, 1e5 + 1e3 * n) for n in sizes}      # (FLOPs, bytes) of a step
+    roofline = lambda flops, nbytes: max(flops / 1e12, nbytes / 1e9) * 1e3
+    lengths = np.random.default_rng(3).integers(1, SC.max_new_tokens + 1, size=64)
+    plen = [4, 9, 2, 13] * 4
+    est = engine.plan_estimate(lengths, 16, 13, 0, lambda part: 1.0, None,
+                               step_cost=lambda key: compiled[int(key.split()[1])],
+                               roofline_ms=roofline, prompt_lengths=plen)
+    sched = schedule(lengths, plen, SC.num_samples, 16, 1, engine.pages_per_shard(16), 4,
+                     SC.max_new_tokens, 0, engine._query_buckets(16),
+                     lambda longest: engine.prefill_length(16, longest), sizes)
+    assert len(sched["steps_by_size"]) > 2
+    entry = engine.kv_entry_bytes()
+    at = lambda n, m, k: roofline(  # k steps at size n, costed by size m's compiled step
+        compiled[m][0] + sched["held_by_size"][n] * engine.kv_entry_flops() / k,
+        compiled[m][1] + sched["read_by_size"][n] * entry / k)
+    by_size = sched["steps_by_size"].items()
+    assert est["decode_ms"] == pytest.approx(sum(k * at(n, n, k) for n, k in by_size),
+                                             rel=1e-12)
+    assert est["decode_ms"] < sum(k * at(n, 16, k) for n, k in by_size)
+    assert est["steps_by_size"] == {str(n): k for n, k in sched["steps_by_size"].items()}
+    k = sched["steps_by_size"][16]
+    assert est["kv_read_per_step_bytes"] == pytest.approx(sched["read_by_size"][16] * entry / k)
 
 
 def test_bfloat16_rows_whose_tokens_differ_are_counted(params):

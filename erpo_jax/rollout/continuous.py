@@ -600,12 +600,9 @@ class ContinuousEngine:
             self._count()
             take = lambda a: jnp.take(a, keep, axis=0)
             cache = s.cache
-            return dataclasses.replace(
-                s, cache=model_lib.KVCache(tuple(map(take, cache.k)), tuple(map(take, cache.v)),
-                                           take(cache.valid), cache.index),
-                last=take(s.last), positions=take(s.positions), t=take(s.t),
-                live=take(s.live), sample=take(s.sample), keys=take(s.keys),
-                uniforms=take(s.uniforms))
+            return _take_slots(s, take, model_lib.KVCache(
+                tuple(map(take, cache.k)), tuple(map(take, cache.v)), take(cache.valid),
+                cache.index))
         # Not donated: the smaller pool cannot reuse the larger one's buffers.
         return self._jit(shrink, self._abstract_state(R, P, n // 2), donate=False)
 
@@ -739,17 +736,30 @@ class ContinuousEngine:
                         lambda Q=Q, rows=rows: self._program("insert", R, P, 0, Q).lower(
                             state(self.slots), w, head, rows(jnp.int32), rows(jnp.bool_),
                             i32(self.slots), i32(self.slots), i32())))
-        sizes = self.pool_sizes()
+        return out + self._pool_programs(R, P, state, w, head, every)
+
+    def _pool_programs(self, R: int, P: int, state, w, head, every: bool) -> list:
+        """[(name, shapes, lower function)] of the decode loop at each pool
+        size and (every) the pool's shrinks; state(n): the abstract state of
+        a pool of n slots."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        sizes, out = self.pool_sizes(), []
         for n in sizes:
-            out.append((f"decode {n}", f"{n} slots x {self.cache_length(P)} cache entries, "
-                                       f"{R} samples",
+            out.append((f"decode {n}", self._decode_shapes(n, P, R),
                         lambda n=n: self._program("decode", R, P, n=n).lower(
                             state(n), w, head, i32())))
             if every and n > sizes[-1]:
                 out.append((f"shrink {n}", f"{n} -> {n // 2} slots",
                             lambda n=n: self._program("shrink", R, P, n=n).lower(
-                                state(n), i32(n // 2))))
+                                *self._shrink_args(state(n), i32(n // 2)))))
         return out
+
+    def _decode_shapes(self, n: int, P: int, R: int) -> str:
+        return f"{n} slots x {self.cache_length(P)} cache entries, {R} samples"
+
+    def _shrink_args(self, state: PoolState, keep) -> tuple:
+        """The shrink program's arguments: the state of the larger pool, keep."""
+        return state, keep
 
     def _insert_shapes(self, num_prompts: int, P: int) -> list[tuple[int, int]]:
         """(prompts, prefill length) of every insert program of a call: each
@@ -888,6 +898,14 @@ class ContinuousEngine:
         out, real = self.run(params, prompts, key, max_prompts)
         out = to_host(out)
         return Rollout(*(a[:real] if np.ndim(a) else a for a in out))
+
+
+def _take_slots(s: PoolState, take, cache) -> PoolState:
+    """The pool's per-slot leaves through take (the rows of the slots that
+    stay when the pool shrinks), with `cache` the smaller pool's cache."""
+    return dataclasses.replace(
+        s, cache=cache, last=take(s.last), positions=take(s.positions), t=take(s.t),
+        live=take(s.live), sample=take(s.sample), keys=take(s.keys), uniforms=take(s.uniforms))
 
 
 def _select_keys(new, sample_keys, sample, R, keys):

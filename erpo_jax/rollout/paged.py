@@ -28,10 +28,16 @@ it has slots; its decode step still reads only what its slots hold.
 
 Programs: `start`, `weights` (the continuous engine's), `insert Q` (prefill
 Q prompts, write the prompt pages and the slots' first pages, set the new
-slots' page tables, choose token 0) and `decode` (one-token steps in a
-`lax.while_loop` until `refill` slots are free or none is live). The pool
-does not shrink at the end of a call: an empty slot's attention reads
-nothing.
+slots' page tables, choose token 0), `decode` (one-token steps in a
+`lax.while_loop` until `refill` slots are free or none is live) and
+`shrink`. An empty slot's attention reads nothing, but the rest of its
+step does not shrink with it: each slot's activations cost about 5.8 MB of
+HBM traffic per step on the 7B plan (v5p-8), 0.75 GB of a 128-slot step's
+4.3 GB besides the KV. So the pool drains as the continuous engine's does
+(`pool_sizes`): once nothing is pending, it halves while every shard has
+at most half its slots live. Only the slots' rows move (their page tables
+with them, each slot staying on its shard, whose pages its table names);
+the pages stay where they are.
 
 Exactness: the continuous engine's. A slot attends to the same keys (its
 prompt's real tokens and its own earlier tokens, in another order) with the
@@ -58,7 +64,8 @@ from erpo_jax.model import model as model_lib
 from erpo_jax.model import paged_attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
-from erpo_jax.rollout.continuous import ContinuousEngine, PoolState, insert_part, pool_slots
+from erpo_jax.rollout.continuous import (ContinuousEngine, PoolState, _take_slots, insert_part,
+                                         pool_slots)
 from erpo_jax.rollout.types import Rollout, SamplingConfig
 from erpo_jax.runtime import xla_options
 from erpo_jax.runtime.distributed import to_host
@@ -72,6 +79,28 @@ class PagedCache(NamedTuple):
     pages: tuple
     table: jax.Array
     kv_len: jax.Array
+
+
+def _without_pages(state: PoolState) -> PoolState:
+    """The pool's state with its cache's pages left out (they pass through a
+    shrink separately, donated)."""
+    return dataclasses.replace(state, cache=state.cache._replace(pages=()))
+
+
+def shard_keep(live, shards: int):
+    """The slots a pool of len(live) slots over `shards` shards keeps when it
+    halves: on each shard its live slots, then idle ones, to half its slots
+    (page ids are local to a shard, so a slot stays on its own); None while
+    some shard has more than half its slots live."""
+    live = np.asarray(live, bool)
+    per = live.size // shards
+    out = []
+    for d in range(shards):
+        own = np.arange(d * per, (d + 1) * per)
+        if live[own].sum() > per // 2:
+            return None
+        out.append(np.concatenate([own[live[own]], own[~live[own]]])[:per // 2])
+    return np.concatenate(out)
 
 
 def own_pages(page_size: int, max_new_tokens: int) -> int:
@@ -168,9 +197,6 @@ class PagedEngine(ContinuousEngine):
         if self.kv_pages:
             return self.kv_pages // self.shards
         return (self.slots // self.shards) * self.pages_per_slot(P)
-
-    def pool_sizes(self) -> list[int]:
-        return [self.slots]
 
     def pool_capacity(self, P: int, free_bytes: float) -> dict:
         """The largest pool a chip's `free_bytes` more would hold: with
@@ -272,6 +298,29 @@ class PagedEngine(ContinuousEngine):
 
         return self._jit(insert, self._abstract_state(R, P), donate=True)
 
+    def _make_shrink(self, R, P, per_call, Q, n):
+        """The pool of n slots halved (the continuous engine's shrink):
+        shrink(state without its pages, pages, keep int32[n / 2]), keep
+        naming slots of the shard each new slot lies on (`shard_keep`). Only
+        the slots' rows move, page tables with them; the pages pass through,
+        donated (the smaller pool's other leaves cannot reuse the larger
+        one's buffers, and pages not donated would be copied)."""
+        def shrink(s: PoolState, pages, keep):
+            self._count()
+            take = lambda a: jnp.take(a, keep, axis=0)
+            c = s.cache
+            return _take_slots(s, take, PagedCache(pages, take(c.table), take(c.kv_len)))
+
+        shardings = self._state_shardings(self._abstract_state(R, P, n // 2))
+        kw = dict(donate_argnums=(1,), compiler_options=xla_options.for_steps())
+        if shardings is not None:
+            kw["out_shardings"] = shardings
+        return jax.jit(shrink, **kw)
+
+    def _shrink(self, state: PoolState, R: int, P: int, n: int, keep) -> PoolState:
+        return self._program("shrink", R, P, n=n)(
+            *self._shrink_args(state, np.asarray(keep, np.int32)))
+
     def _step(self, R: int, P: int, n: int):
         cfg, sh = self.cfg, self.sharding
         stationary = model_lib.decode_sharding(cfg, sh)
@@ -289,10 +338,10 @@ class PagedEngine(ContinuousEngine):
     def lower_decode_step(self, params, num_prompts: int, longest_prompt: int, n: int = 0):
         """One decode step lowered by itself (for `erpo plan`)."""
         B, P = self.batch_shape(num_prompts, longest_prompt)
-        R = B * self.sampling.num_samples
-        like = self._abstract_state(R, P)
+        R, n = B * self.sampling.num_samples, n or self.slots
+        like = self._abstract_state(R, P, n)
         w, head = self._abstract_weights(params)
-        step = self._step(R, P, self.slots)
+        step = self._step(R, P, n)
         if self.sharding is None:
             return jax.jit(step, donate_argnums=(2,)).lower(w, head, like)
         shardings = self._state_shardings(like)
@@ -305,15 +354,21 @@ class PagedEngine(ContinuousEngine):
     def programs(self, params, num_prompts: int, longest_prompt: int, max_prompts: int = 0,
                  every: bool = False) -> list:
         """[(name, shapes, lower function)]: each insert size and the decode
-        loop; every=True adds start and weights."""
+        loop at each pool size; every=True adds start, weights and the
+        pool's shrinks."""
         B, P = self.batch_shape(num_prompts, longest_prompt)
         R, n = B * self.sampling.num_samples, self.slots
         per_call = max_prompts if 0 < max_prompts < num_prompts else 0
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        like = self._abstract_state(R, P)
-        shardings = self._state_shardings(like)
-        state = like if shardings is None else jax.tree_util.tree_map(
-            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like, shardings)
+
+        def at(n):
+            like = self._abstract_state(R, P, n)
+            shardings = self._state_shardings(like)
+            return like if shardings is None else jax.tree_util.tree_map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like,
+                shardings)
+
+        state = at(n)
         w, head = self._abstract_weights(params)
         out = []
         if every:
@@ -327,10 +382,15 @@ class PagedEngine(ContinuousEngine):
                         lambda Q=Q, rows=rows, W=W: self._program("insert", R, P, 0, Q).lower(
                             state, w, head, rows(jnp.int32), rows(jnp.bool_), i32(n), i32(n),
                             i32(), i32(n, pps), i32(n), i32(W), i32(W), i32(W))))
-        out.append((f"decode {n}", f"{n} slots x {pps} pages of {self.page_size}, "
-                                   f"{self.shards * self.pages_per_shard(P)} pages, {R} samples",
-                    lambda: self._program("decode", R, P, n=n).lower(state, w, head, i32())))
-        return out
+        return out + self._pool_programs(R, P, at, w, head, every)
+
+    def _decode_shapes(self, n: int, P: int, R: int) -> str:
+        return (f"{n} slots x {self.pages_per_slot(P)} pages of {self.page_size}, "
+                f"{self.shards * self.pages_per_shard(P)} pages, {R} samples")
+
+    def _shrink_args(self, state: PoolState, keep) -> tuple:
+        """The state without its pages, the pages (donated), keep."""
+        return _without_pages(state), state.cache.pages, keep
 
     def step_programs(self, params, num_prompts: int, longest_prompt: int,
                       max_prompts: int = 0, brief: bool = False):
@@ -347,17 +407,19 @@ class PagedEngine(ContinuousEngine):
                       prompt_lengths=None) -> dict | None:
         """`erpo plan`'s rollout time (`types.Engine.plan_estimate`): the paged
         `schedule` of these response lengths after prompts of prompt_lengths
-        tokens (default: every prompt longest_prompt long). Each decode step
-        is the roofline of the compiled step (whose counts leave the kernel
+        tokens (default: every prompt longest_prompt long), its steps at each
+        pool size as the pool drains. Each decode step is the roofline of
+        that size's compiled step (whose counts leave the kernel
         out: its page pool by `tools.hbm.paged_kernel_pages`, its FLOPs
         because the custom call declares none) with the kernel's work added,
         counted from the page book: it reads ceil(held / page_size) pages of
         each live slot, each page_size x (key + value) x KV heads x head size
         x layers, per chip (slots over the data shards, heads over the tensor
         shards where they divide), and spends `kv_entry_flops` on each entry
-        a slot holds. Inserts as the continuous engine's. Also a step's bytes
-        against the minimum, weights (`weights_bytes`) plus the KV the slots
-        hold, both per chip."""
+        a slot holds (the mean over that size's steps). Inserts as the
+        continuous engine's. Also the full pool's mean step's bytes against
+        the minimum, weights (`weights_bytes`) plus the KV the slots hold,
+        both per chip."""
         if step_cost is None or roofline_ms is None:
             return None
         B, _ = self.batch_shape(num_prompts, longest_prompt)
@@ -365,18 +427,26 @@ class PagedEngine(ContinuousEngine):
         G = self.sampling.num_samples
         sched = schedule(lengths, plen, G, self.slots, self.shards, self.pages_per_shard(P),
                          self.page_size, self.sampling.max_new_tokens, self.refill,
-                         self._query_buckets(B), lambda longest: self.prefill_length(P, longest))
-        compiled = step_cost(f"decode {self.slots}")
+                         self._query_buckets(B), lambda longest: self.prefill_length(P, longest),
+                         self.pool_sizes())
+        by_size = sched["steps_by_size"]
+        compiled = {n: step_cost(f"decode {n}") for n in {self.slots, *by_size}}
         insert, inserts = self._costed_inserts(sched["inserts"], P, run_ms)
-        if compiled is None or insert is None:
+        if None in compiled.values() or insert is None:
             return None
-        steps = max(sched["steps"], 1)
-        read = sched["entries_read"] * self.kv_entry_bytes() / steps     # per step, per chip
-        held = sched["entries_held"] * self.kv_entry_bytes() / steps
-        flops = sched["entries_held"] * self.kv_entry_flops() / steps
-        step_flops, step_bytes = compiled[0] + flops, compiled[1] + read
+        entry, entry_flops = self.kv_entry_bytes(), self.kv_entry_flops()
+
+        def per_step(n):   # (FLOPs, HBM bytes, KV read, KV held) of a mean step at pool size n
+            k = max(by_size.get(n, 0), 1)
+            read = sched["read_by_size"].get(n, 0) * entry / k
+            held = sched["held_by_size"].get(n, 0) * entry / k
+            flops = sched["held_by_size"].get(n, 0) * entry_flops / k
+            return compiled[n][0] + flops, compiled[n][1] + read, read, held, flops
+
+        decode = sum(k * roofline_ms(*per_step(n)[:2]) for n, k in by_size.items())
+        # The full pool's step: its traffic is set against the minimum.
+        step_flops, step_bytes, read, held, flops = per_step(self.slots)
         step = roofline_ms(step_flops, step_bytes)
-        decode = sched["steps"] * step
         weights = self.weights_bytes()
         useful = int((np.asarray(lengths) - 1).sum())
         return {"decode_steps": sched["steps"], "slot_utilization": useful / sched["slot_steps"],
@@ -386,10 +456,11 @@ class PagedEngine(ContinuousEngine):
                 "page_size": self.page_size, "mean_prompt_length": float(plen.mean()),
                 "kv_read_per_step_bytes": read, "kv_held_per_step_bytes": held,
                 "kv_flops_per_step": flops, "step_ms": step,
-                "step_compiled_ms": roofline_ms(*compiled), "step_flops": step_flops,
+                "step_compiled_ms": roofline_ms(*compiled[self.slots]),
+                "step_flops": step_flops,
                 "step_bytes": step_bytes, "step_minimum_bytes": weights + held,
                 "step_ratio": step_bytes / (weights + held),
-                "steps_by_size": {str(self.slots): sched["steps"]},
+                "steps_by_size": {str(k): v for k, v in sched["steps_by_size"].items()},
                 "inserts": inserts}
 
     def weights_bytes(self) -> float:
@@ -422,6 +493,7 @@ class PagedEngine(ContinuousEngine):
         occupied = np.full(n, -1)                 # the slot's sample, -1 free
         live = np.zeros(n, bool)
         nxt, stashed, steps, slot_steps = 0, -1, 0, 0
+        sizes = self.pool_sizes()
         while True:
             # Samples that ended (in the last decode, or at token 0) give their pages back.
             for slot in np.flatnonzero((occupied >= 0) & ~live):
@@ -468,11 +540,14 @@ class PagedEngine(ContinuousEngine):
                     live = live | (src >= 0)     # till the decode says otherwise
                     inserted = True
             pending = real - nxt
+            if not pending and not inserted:
+                # The drain: halve the pool while every shard has at most half its slots live.
+                while n > sizes[-1] and (keep := shard_keep(live, book.shards)) is not None:
+                    state = self._shrink(state, R, P, n, keep)
+                    live, occupied, n = live[keep], occupied[keep], n // 2
+                    book.shrink(keep)
             free = int(np.sum(occupied < 0))
-            if pending and not inserted and free:
-                refill = free + 1               # waiting for pages: run until a sample ends
-            else:
-                refill = min(self.refill, pending) if pending else n + 1
+            refill = drain_refill(free, n, pending, inserted, self.refill, n > sizes[-1])
             state, (live_dev, steps_dev) = self._program("decode", R, P, n=n)(
                 state, w, head, np.int32(refill))
             live, total = to_host((live_dev, steps_dev))
@@ -485,6 +560,23 @@ class PagedEngine(ContinuousEngine):
         self.last_pages = {"pages_per_shard": book.per_shard,
                            "peak_pages_used": int(book.peak), "page_size": ps}
         return out, real
+
+
+def drain_refill(free: int, n: int, pending: int, inserted: bool, refill: int,
+                 smaller: bool) -> int:
+    """The free slots at which the next decode call of a pool of n slots
+    (free of them idle) stops: waiting for pages (samples pending, none
+    inserted), when one more sample ends; with samples pending, the
+    engine's refill; draining with a smaller pool left, when half the pool
+    is free, or one more sample ends if it already is (a shard with more
+    than half its slots live holds the shrink back); else when none is live."""
+    if pending and not inserted and free:
+        return free + 1
+    if pending:
+        return min(refill, pending)
+    if smaller:
+        return n - n // 2 if free < n - n // 2 else free + 1
+    return n + 1
 
 
 def sample_pages(page_size: int, sc: SamplingConfig) -> int:
@@ -593,6 +685,13 @@ class PageBook:
         page), local to its shard."""
         return self.slot_pages[slot][0]
 
+    def shrink(self, keep) -> None:
+        """The pool halved to the slots `keep` names (`shard_keep`): slot j
+        is the old slot keep[j], on the same shard."""
+        remap = lambda d: {j: d[int(k)] for j, k in enumerate(keep) if int(k) in d}
+        self.slot_pages, self.slot_prompt = remap(self.slot_pages), remap(self.slot_prompt)
+        self.slots = len(keep)
+
     def release(self, slot: int, b: int) -> None:
         d = self.shard(slot)
         self.free[d].extend(reversed(self.slot_pages.pop(slot)))
@@ -606,24 +705,28 @@ class PageBook:
 
 def schedule(lengths: Sequence[int], prompt_lengths: Sequence[int], group: int, slots: int,
              shards: int, pages_per_shard: int, page_size: int, max_new_tokens: int,
-             refill: int = 0, buckets: Sequence[int] | None = None, prefill=None) -> dict:
+             refill: int = 0, buckets: Sequence[int] | None = None, prefill=None,
+             sizes: Sequence[int] | None = None) -> dict:
     """What `PagedEngine.run` does for samples of these response lengths (in
     sample order, `group` per prompt of prompt_lengths[b] tokens): its host
     loop and page book, replayed without a model (`erpo plan` estimates a
     rollout from it).
 
-    buckets (`_query_buckets`) and prefill (longest prompt -> prefill
-    length): the engine's, as the continuous `schedule` takes them.
+    buckets (`_query_buckets`), prefill (longest prompt -> prefill length)
+    and sizes (`pool_sizes()`, default the pool alone): the engine's, as the
+    continuous `schedule` takes them.
     Returns the continuous `schedule`'s keys ('steps', 'slot_steps',
     'steps_by_size', 'inserts' as (prompts prefilled, rounded up to
     buckets; prefill length or 0): calls) and
     'entries_held' / 'entries_read': summed over the decode steps, the KV
     entries the live slots hold (their prompt's real tokens and the tokens
     fed so far) and the entries of the pages the attention kernel copies
-    (ceil(held / page_size) pages a slot); 'max_live', the most samples
-    decoding at once; 'peak_pages', the most pages in use on a shard.
+    (ceil(held / page_size) pages a slot), and the same by pool size
+    ('held_by_size', 'read_by_size'); 'max_live', the most samples decoding
+    at once; 'peak_pages', the most pages in use on a shard.
     """
     refill = refill or max(1, slots // 16)
+    sizes = list(sizes or [slots])
     lengths = np.asarray(lengths, np.int64)
     plen = np.asarray(prompt_lengths, np.int64)
     need = np.maximum(lengths - 1, 0)              # decode steps: token 0 comes from the insert
@@ -633,8 +736,11 @@ def schedule(lengths: Sequence[int], prompt_lengths: Sequence[int], group: int, 
     left = np.zeros(slots, np.int64)               # decode steps each slot still needs
     pos = np.zeros(slots, np.int64)                # entries each slot holds before its next step
     occupied = np.full(slots, -1)
-    nxt, total, steps, held, read, max_live, stashed = 0, lengths.size, 0, 0, 0, 0, -1
+    nxt, total, n, max_live, stashed = 0, lengths.size, slots, 0, -1
     inserts: dict = {}
+    by_size: dict = {}
+    held_by: dict = {}
+    read_by: dict = {}
     while True:
         for s in np.flatnonzero((occupied >= 0) & (left == 0)):
             book.release(int(s), int(occupied[s]) // group)
@@ -654,31 +760,37 @@ def schedule(lengths: Sequence[int], prompt_lengths: Sequence[int], group: int, 
                 stashed = int(prompt[-1])
                 nxt, inserted = nxt + len(placed), True
         pending = total - nxt
-        free = int(np.sum(occupied < 0))
+        if not pending and not inserted:
+            while n > sizes[-1] and (keep := shard_keep(left > 0, shards)) is not None:
+                left, pos, occupied, n = left[keep], pos[keep], occupied[keep], n // 2
+                book.shrink(keep)
         live = left > 0
-        if pending and not inserted and free:
-            stop = free + 1
-        else:
-            stop = min(refill, pending) if pending else slots + 1
         # Slots that ended at token 0 count as free once released.
         free_now = int(np.sum(~live))
+        stop = drain_refill(int(np.sum(occupied < 0)), n, pending, inserted, refill,
+                            n > sizes[-1])
         if live.any() and free_now < stop:
             ends = np.sort(left[live])
             run = int(ends[min(stop - free_now, ends.size) - 1])
             k = np.minimum(left[live], run)               # steps each live slot runs
             p0 = pos[live]
             # Entries held at step i: p0 + i + 1 (the fed token written first).
-            held += int(np.sum(k * p0 + k * (k + 1) // 2))
+            held_by[n] = held_by.get(n, 0) + int(np.sum(k * p0 + k * (k + 1) // 2))
+            read = 0
             for a, b in zip(p0, k):
                 e = np.arange(a + 1, a + b + 1)
                 read += int(np.sum(-(-e // page_size)) * page_size)
+            read_by[n] = read_by.get(n, 0) + read
             max_live = max(max_live, int(live.sum()))
             left[live] -= k
             pos[live] += k
-            steps += run
+            by_size[n] = by_size.get(n, 0) + run
         elif pending and not inserted and not live.any() and not (occupied >= 0).any():
             raise ValueError("paged schedule: an empty pool has no pages for the next sample.")
         if nxt == total and not (occupied >= 0).any():
-            return {"steps": steps, "slot_steps": steps * slots, "steps_by_size": {slots: steps},
-                    "inserts": inserts, "entries_held": held, "entries_read": read,
+            return {"steps": sum(by_size.values()),
+                    "slot_steps": sum(k * v for k, v in by_size.items()),
+                    "steps_by_size": by_size, "inserts": inserts,
+                    "entries_held": sum(held_by.values()), "entries_read": sum(read_by.values()),
+                    "held_by_size": held_by, "read_by_size": read_by,
                     "max_live": max_live, "peak_pages": int(book.peak)}
