@@ -177,6 +177,10 @@ def test_plan_estimates_the_paged_engine_from_its_page_book(tmp_path):
         k * by["rollout insert " + (f"{q} at {t}" if q else "0")]["estimated_ms"]
         for (q, t), k in sched["inserts"].items()))
     assert est["mean_prompt_length"] == pytest.approx(plen.mean())
+    # Compiled at the 256 bucket; a batch of the drawn prompts runs at theirs.
+    assert est["prompt_bucket"] == 256 and est["drawn_longest_prompt"] == plen.max()
+    assert est["drawn_bucket"] == max(8, 1 << (int(plen.max()) - 1).bit_length()) < 256
+    assert f"runs at the {est['drawn_bucket']}-token bucket, not the compiled 256" in proc.stdout
     assert est["kv_read_per_step_bytes"] >= est["kv_held_per_step_bytes"] > 0
     assert 0 < est["step_ms"] and est["step_ratio"] > 0
     step = by["rollout decode 4"]

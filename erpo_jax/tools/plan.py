@@ -469,6 +469,12 @@ def rollout_estimate(report: dict, cfg, top: Topology, spec: str,
     if est is None:
         return None
     out.update(est)
+    # The bucket a batch of the drawn prompts runs at, against the compiled one.
+    from erpo_jax.rollout.prompts import bucket_length
+    out["prompt_bucket"] = engine.batch_shape(B, cfg.data.max_prompt_len)[1]
+    out["drawn_longest_prompt"] = int(prompts.max())
+    out["drawn_bucket"] = bucket_length(int(prompts.max()), engine.sampling.min_bucket,
+                                        cfg.data.max_prompt_len)
     return out
 
 
@@ -515,6 +521,11 @@ def estimate_line(e: dict) -> str:
                  f"against {e['step_minimum_bytes'] / 2**30:.2f} GiB of weights and held KV: "
                  f"{e['step_ratio']:.2f}x (prompts {e['mean_prompt_length']:.0f} tokens on "
                  f"average)")
+    if e.get("drawn_bucket", 0) < e.get("prompt_bucket", 0):
+        line += (f". The drawn prompts' longest is {e['drawn_longest_prompt']} tokens: a batch "
+                 f"of them runs at the {e['drawn_bucket']}-token bucket, not the compiled "
+                 f"{e['prompt_bucket']} (data.max_prompt_len={e['drawn_bucket']} estimates "
+                 "there)")
     return line
 
 
