@@ -93,6 +93,15 @@ MODELS = {
     "7b-v5p": ("qwen2.5-7b", "checkpoints/Qwen2.5-7B", "v5p-8", (1, 4, 1), 32),
 }
 
+# model key -> rollout.slots where `erpo plan` compiled the pool engines at
+# more than one pool (experiments/BENCHMARKS.md, "Session 23"; the drawn
+# prompts' 512-token bucket): 256 slots against the default 128 (the rows of
+# one call of 16 prompts), 10.7 against 13.3 s of paged rollout per RL step
+# for 1.5B on a v4-8, 15.6 against 20.8 s for 7B on a v5p-8 (the continuous
+# engine: 29.5 against 31.1 s and 35.5 against 39.6 s); both fit with room to
+# spare. Elsewhere the default.
+SLOTS = {"1.5b": 256, "7b-v5p": 256}
+
 
 def regulariser(method: str) -> tuple[LossConfig, AlgoSection]:
     """(loss section, algo section: method name and weight scheme) of a method,
@@ -114,7 +123,7 @@ def method_config(method: str, model: str = "1.5b", steps: int = 200) -> RunConf
                          benchmarks_dir="data/benchmarks", eval_benchmarks=BENCHMARKS,
                          template="chat", max_prompt_len=1024),
         rollout=RolloutSection(group_size=8, temperature=1.0, top_p=1.0, max_new_tokens=3072,
-                               max_prompts_per_call=16),
+                               max_prompts_per_call=16, slots=SLOTS.get(model, 0)),
         algo=AlgoSection(method=algo.method, advantage="grpo", weight_scheme=algo.weight_scheme),
         loss=dataclasses.replace(loss, eps_low=0.2, eps_high=0.2, agg_mode="token_mean"),
         optim=OptimSection(lr=1e-6, warmup_steps=0, schedule="constant", max_grad_norm=1.0,
@@ -134,7 +143,7 @@ def cpu_config(method: str, model: str = "1.5b") -> RunConfig:
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, compute_dtype="float32"),
-        rollout=dataclasses.replace(cfg.rollout, group_size=4, max_new_tokens=512),
+        rollout=dataclasses.replace(cfg.rollout, group_size=4, max_new_tokens=512, slots=0),
         optim=dataclasses.replace(cfg.optim, micro_batches=1),
         train=dataclasses.replace(cfg.train, batch_size=8, eval_every=10, eval_max_problems=20,
                                   ckpt_every=10),

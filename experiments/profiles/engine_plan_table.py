@@ -14,19 +14,30 @@ from the compiled peak), beside the pool each report compiled.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 GIB = 2 ** 30
 
 
+def bucket(report: dict) -> int:
+    """The prompt bucket the report's rollout programs were compiled at."""
+    if "prompt_bucket" in report.get("rollout_estimate", {}):
+        return report["rollout_estimate"]["prompt_bucket"]
+    sizes = [int(t) for p in report["programs"]
+             for t in re.findall(r"(\d+) (?:prompt \+|tokens into)", p["shapes"])]
+    return max(sizes)
+
+
 def main(paths: list[str]) -> None:
     reports = [json.load(open(p)) for p in paths]
-    print("| config | topology | engine | slots | decode steps per RL step | slot utilisation "
+    print("| config | topology | engine | slots | prompt bucket | decode steps per RL step "
+          "| slot utilisation "
           "| rollout est. s per RL step | of which inserts s | largest program peak GiB/chip "
           "| one decode step reads GiB/chip, HBM (x minimum) | XLA's count GiB/chip |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in sorted(reports, key=lambda r: (r["config"], r["rollout_estimate"]["engine"],
-                                            r["rollout_estimate"].get("slots", 0))):
+                                            r["rollout_estimate"].get("slots", 0), bucket(r))):
         e = r["rollout_estimate"]
         peak = max(p["peak_gib"] for p in r["programs"])
         decode = next(p for p in r["programs"] if "step_bytes_accessed" in p or
@@ -40,7 +51,7 @@ def main(paths: list[str]) -> None:
             nbytes, ratio, xla = step["bytes_accessed"], step["ratio"], step["xla_bytes_accessed"]
         inserts = f"{e['insert_ms'] / 1e3:.1f}" if "insert_ms" in e else "-"
         print(f"| {r['config']} | {r['topology']} | {e['engine']} | {e.get('slots', '-')} "
-              f"| {e['decode_steps']:,} "
+              f"| {bucket(r):,} | {e['decode_steps']:,} "
               f"| {100 * e['slot_utilization']:.0f}% | {e['estimated_ms'] / 1e3:.1f} "
               f"| {inserts} | {peak:.2f} | {nbytes / GIB:.2f} ({ratio:.2f}x) | {xla / GIB:.2f} |")
     print()
