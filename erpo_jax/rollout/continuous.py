@@ -600,7 +600,7 @@ class ContinuousEngine:
             self._count()
             take = lambda a: jnp.take(a, keep, axis=0)
             cache = s.cache
-            return _take_slots(s, take, model_lib.KVCache(
+            return take_slots(s, take, model_lib.KVCache(
                 tuple(map(take, cache.k)), tuple(map(take, cache.v)), take(cache.valid),
                 cache.index))
         # Not donated: the smaller pool cannot reuse the larger one's buffers.
@@ -900,7 +900,7 @@ class ContinuousEngine:
         return Rollout(*(a[:real] if np.ndim(a) else a for a in out))
 
 
-def _take_slots(s: PoolState, take, cache) -> PoolState:
+def take_slots(s: PoolState, take, cache) -> PoolState:
     """The pool's per-slot leaves through take (the rows of the slots that
     stay when the pool shrinks), with `cache` the smaller pool's cache."""
     return dataclasses.replace(

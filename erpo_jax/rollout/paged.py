@@ -64,8 +64,8 @@ from erpo_jax.model import model as model_lib
 from erpo_jax.model import paged_attention
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.sharding import Sharding, platform as platform_of
-from erpo_jax.rollout.continuous import (ContinuousEngine, PoolState, _take_slots, insert_part,
-                                         pool_slots)
+from erpo_jax.rollout.continuous import (ContinuousEngine, PoolState, insert_part, pool_slots,
+                                         take_slots)
 from erpo_jax.rollout.types import Rollout, SamplingConfig
 from erpo_jax.runtime import xla_options
 from erpo_jax.runtime.distributed import to_host
@@ -309,7 +309,7 @@ class PagedEngine(ContinuousEngine):
             self._count()
             take = lambda a: jnp.take(a, keep, axis=0)
             c = s.cache
-            return _take_slots(s, take, PagedCache(pages, take(c.table), take(c.kv_len)))
+            return take_slots(s, take, PagedCache(pages, take(c.table), take(c.kv_len)))
 
         shardings = self._state_shardings(self._abstract_state(R, P, n // 2))
         kw = dict(donate_argnums=(1,), compiler_options=xla_options.for_steps())
