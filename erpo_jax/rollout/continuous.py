@@ -418,6 +418,16 @@ class ContinuousEngine:
     def _abstract_state(self, R: int, P: int, n: int = 0) -> PoolState:
         return jax.eval_shape(lambda: self._empty(jax.random.key(0), R, P, 0, n))
 
+    def _abstract_pool(self, R: int, P: int, n: int = 0) -> PoolState:
+        """`_abstract_state` with each leaf's sharding on a mesh (the
+        arguments the programs are lowered with)."""
+        like = self._abstract_state(R, P, n)
+        if self.sharding is None:
+            return like
+        return jax.tree_util.tree_map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like,
+            self._state_shardings(like))
+
     def _empty(self, rng, R: int, P: int, per_call: int, n: int = 0) -> PoolState:
         cfg, sc, n = self.cfg, self.sampling, n or self.slots
         N, G, L = sc.max_new_tokens, sc.num_samples, cfg.num_layers
@@ -716,15 +726,7 @@ class ContinuousEngine:
         R = B * self.sampling.num_samples
         per_call = max_prompts if 0 < max_prompts < num_prompts else 0
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-
-        def state(n):
-            like = self._abstract_state(R, P, n)
-            if self.sharding is None:
-                return like
-            return jax.tree_util.tree_map(
-                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like,
-                self._state_shardings(like))
-
+        state = lambda n: self._abstract_pool(R, P, n)
         w, head = self._abstract_weights(params)
         out = []
         if every:

@@ -339,15 +339,13 @@ class PagedEngine(ContinuousEngine):
         """One decode step lowered by itself (for `erpo plan`)."""
         B, P = self.batch_shape(num_prompts, longest_prompt)
         R, n = B * self.sampling.num_samples, n or self.slots
-        like = self._abstract_state(R, P, n)
+        state = self._abstract_pool(R, P, n)
         w, head = self._abstract_weights(params)
         step = self._step(R, P, n)
         if self.sharding is None:
-            return jax.jit(step, donate_argnums=(2,)).lower(w, head, like)
-        shardings = self._state_shardings(like)
-        state = jax.tree_util.tree_map(
-            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like, shardings)
-        fn = jax.jit(step, donate_argnums=(2,), out_shardings=shardings,
+            return jax.jit(step, donate_argnums=(2,)).lower(w, head, state)
+        fn = jax.jit(step, donate_argnums=(2,),
+                     out_shardings=jax.tree_util.tree_map(lambda a: a.sharding, state),
                      compiler_options=xla_options.for_steps())
         return fn.lower(w, head, state)
 
@@ -360,14 +358,7 @@ class PagedEngine(ContinuousEngine):
         R, n = B * self.sampling.num_samples, self.slots
         per_call = max_prompts if 0 < max_prompts < num_prompts else 0
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-
-        def at(n):
-            like = self._abstract_state(R, P, n)
-            shardings = self._state_shardings(like)
-            return like if shardings is None else jax.tree_util.tree_map(
-                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), like,
-                shardings)
-
+        at = lambda n: self._abstract_pool(R, P, n)
         state = at(n)
         w, head = self._abstract_weights(params)
         out = []

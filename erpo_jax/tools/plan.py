@@ -470,11 +470,9 @@ def rollout_estimate(report: dict, cfg, top: Topology, spec: str,
         return None
     out.update(est)
     # The bucket a batch of the drawn prompts runs at, against the compiled one.
-    from erpo_jax.rollout.prompts import bucket_length
     out["prompt_bucket"] = engine.batch_shape(B, cfg.data.max_prompt_len)[1]
     out["drawn_longest_prompt"] = int(prompts.max())
-    out["drawn_bucket"] = bucket_length(int(prompts.max()), engine.sampling.min_bucket,
-                                        cfg.data.max_prompt_len)
+    out["drawn_bucket"] = engine.batch_shape(B, int(prompts.max()))[1]
     return out
 
 
